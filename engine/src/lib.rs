@@ -1,0 +1,29 @@
+//! tapedeck's inference engine.
+//!
+//! Loads Hugging Face Llama-family checkpoints (Llama, Qwen2, Mistral), encodes chats with the
+//! model's own template, and runs them on the CPU reference backend with precision and fault
+//! toggles. Its f32 path is the golden reference that toggled builds, GPU kernels and other servers
+//! are compared against, so correctness comes before speed everywhere in this crate.
+
+pub mod chat;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod fixture;
+pub mod generate;
+pub mod messages;
+pub mod model;
+pub mod numerics;
+pub mod sampling;
+pub mod tokenizer;
+pub mod toggles;
+pub mod weights;
+
+pub use engine::Engine;
+pub use error::{Error, Result};
+pub use generate::{
+    FinishReason, GenerateOutput, GenerateRequest, LogitsSummary, SamplingParams, StopCriteria,
+    TokenEvent,
+};
+pub use messages::{ChatMessage, ToolCall};
+pub use toggles::Toggles;

@@ -1,0 +1,355 @@
+//! Named switches that change how the engine computes, recorded with every result.
+//!
+//! A replay A/Bs two toggle sets and a bisect searches the difference between them, so a toggle set
+//! must be a value: canonical text form (`matmul=bf16,kv_dtype=fp8-e4m3`), parse, compare, diff.
+//! The registry ([`REGISTRY`]) is what `tapedeck toggles` prints. Toggles named `fault.*` plant a
+//! known bug class on purpose; they are off by default and exist to prove that replay catches it.
+
+use std::fmt;
+use std::num::NonZeroUsize;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Precision of the inputs of a matrix product or of attention scores.
+///
+/// `Bf16` rounds each input to bfloat16 (round-to-nearest-even) and accumulates in f32, exactly as a
+/// tensor-core kernel with bf16 operands does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Precision {
+    /// f32 inputs, f32 accumulation: the reference.
+    #[default]
+    F32,
+    /// bf16 inputs, f32 accumulation.
+    Bf16,
+}
+
+/// Storage type of the key/value cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum KvDtype {
+    /// f32: the reference.
+    #[default]
+    F32,
+    /// bfloat16, round-to-nearest-even.
+    Bf16,
+    /// FP8 E4M3 (OCP "e4m3fn": max 448, no infinities), one f32 scale per token and head, chosen as
+    /// `amax / 448` so that every value of that head vector is representable.
+    Fp8E4m3,
+}
+
+/// An encoding fault: a deliberately wrong prompt-encoding rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum EncodingFault {
+    /// The correct rule.
+    #[default]
+    Off,
+    /// Drop `reasoning_content` of every assistant turn before the last user message, even when
+    /// tools are present (the correct rule keeps it then).
+    DropThinkingAlways,
+}
+
+/// Every toggle of the engine, with its current value.
+///
+/// `Default` is the reference configuration: f32 everywhere, no sparse attention, no faults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Toggles {
+    /// Input precision of every linear layer.
+    pub matmul: Precision,
+    /// Input precision of the `q·k` products and of `softmax·v` in attention.
+    pub attn_scores: Precision,
+    /// Storage type of cached keys and values.
+    pub kv_dtype: KvDtype,
+    /// Sparse decode attention: each decode step attends only to the N cached tokens with the
+    /// highest scores (like a DSA "lightning indexer"). `None` attends to all tokens.
+    pub decode_topk: Option<NonZeroUsize>,
+    /// Prompt-encoding fault.
+    pub fault_encoding: EncodingFault,
+    /// Context-window fault: silently drop the oldest non-system turns until the prompt fits in N
+    /// tokens (what a proxy that "helpfully" truncates does). `None` never drops.
+    pub fault_context_window: Option<NonZeroUsize>,
+}
+
+/// What the registry knows about one toggle.
+#[derive(Debug, Clone, Copy)]
+pub struct ToggleSpec {
+    /// Name as written in `name=value`.
+    pub name: &'static str,
+    /// Allowed values, as a user would type them (`N` stands for a positive integer).
+    pub values: &'static str,
+    /// The default value's text.
+    pub default: &'static str,
+    /// One line on what it changes.
+    pub description: &'static str,
+}
+
+/// Every toggle the engine knows, in canonical order.
+pub const REGISTRY: &[ToggleSpec] = &[
+    ToggleSpec {
+        name: "matmul",
+        values: "f32 | bf16",
+        default: "f32",
+        description: "input precision of linear layers (bf16 = RNE-rounded inputs, f32 accumulate)",
+    },
+    ToggleSpec {
+        name: "attn_scores",
+        values: "f32 | bf16",
+        default: "f32",
+        description: "input precision of attention q·k and p·v products",
+    },
+    ToggleSpec {
+        name: "kv_dtype",
+        values: "f32 | bf16 | fp8-e4m3",
+        default: "f32",
+        description: "storage type of the KV cache (fp8: per-token-head scale amax/448)",
+    },
+    ToggleSpec {
+        name: "decode_topk",
+        values: "off | N",
+        default: "off",
+        description: "sparse decode attention over the N highest-scoring cached tokens",
+    },
+    ToggleSpec {
+        name: "fault.encoding",
+        values: "off | drop_thinking_always",
+        default: "off",
+        description: "FAULT: drop prior-turn reasoning even when tools are present",
+    },
+    ToggleSpec {
+        name: "fault.context_window",
+        values: "off | N",
+        default: "off",
+        description: "FAULT: silently drop the oldest turns until the prompt fits N tokens",
+    },
+];
+
+fn bad(name: &str, value: &str) -> Error {
+    let allowed = REGISTRY
+        .iter()
+        .find(|s| s.name == name)
+        .map(|s| s.values)
+        .unwrap_or("?");
+    Error::Toggle {
+        name: name.to_string(),
+        message: format!("invalid value {value:?} (allowed: {allowed})"),
+    }
+}
+
+fn parse_precision(name: &str, v: &str) -> Result<Precision> {
+    match v {
+        "f32" => Ok(Precision::F32),
+        "bf16" => Ok(Precision::Bf16),
+        _ => Err(bad(name, v)),
+    }
+}
+
+fn parse_off_or_n(name: &str, v: &str) -> Result<Option<NonZeroUsize>> {
+    if v == "off" {
+        return Ok(None);
+    }
+    v.parse::<NonZeroUsize>()
+        .map(Some)
+        .map_err(|_| bad(name, v))
+}
+
+fn precision_str(p: Precision) -> &'static str {
+    match p {
+        Precision::F32 => "f32",
+        Precision::Bf16 => "bf16",
+    }
+}
+
+fn off_or_n(v: Option<NonZeroUsize>) -> String {
+    v.map_or_else(|| "off".to_string(), |n| n.to_string())
+}
+
+impl Toggles {
+    /// Sets one toggle from its text form, e.g. `set("kv_dtype", "bf16")`.
+    pub fn set(&mut self, name: &str, value: &str) -> Result<()> {
+        let value = value.trim();
+        match name.trim() {
+            "matmul" => self.matmul = parse_precision(name, value)?,
+            "attn_scores" => self.attn_scores = parse_precision(name, value)?,
+            "kv_dtype" => {
+                self.kv_dtype = match value {
+                    "f32" => KvDtype::F32,
+                    "bf16" => KvDtype::Bf16,
+                    "fp8-e4m3" | "fp8" => KvDtype::Fp8E4m3,
+                    _ => return Err(bad(name, value)),
+                }
+            }
+            "decode_topk" => self.decode_topk = parse_off_or_n(name, value)?,
+            "fault.encoding" => {
+                self.fault_encoding = match value {
+                    "off" => EncodingFault::Off,
+                    "drop_thinking_always" => EncodingFault::DropThinkingAlways,
+                    _ => return Err(bad(name, value)),
+                }
+            }
+            "fault.context_window" => self.fault_context_window = parse_off_or_n(name, value)?,
+            other => {
+                let known: Vec<_> = REGISTRY.iter().map(|s| s.name).collect();
+                return Err(Error::Toggle {
+                    name: other.to_string(),
+                    message: format!("unknown toggle (known: {})", known.join(", ")),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The value of one toggle in text form, or `None` for an unknown name.
+    pub fn get(&self, name: &str) -> Option<String> {
+        Some(match name {
+            "matmul" => precision_str(self.matmul).to_string(),
+            "attn_scores" => precision_str(self.attn_scores).to_string(),
+            "kv_dtype" => match self.kv_dtype {
+                KvDtype::F32 => "f32",
+                KvDtype::Bf16 => "bf16",
+                KvDtype::Fp8E4m3 => "fp8-e4m3",
+            }
+            .to_string(),
+            "decode_topk" => off_or_n(self.decode_topk),
+            "fault.encoding" => match self.fault_encoding {
+                EncodingFault::Off => "off",
+                EncodingFault::DropThinkingAlways => "drop_thinking_always",
+            }
+            .to_string(),
+            "fault.context_window" => off_or_n(self.fault_context_window),
+            _ => return None,
+        })
+    }
+
+    /// Every toggle as `(name, value)` in registry order, defaults included.
+    pub fn pairs(&self) -> Vec<(&'static str, String)> {
+        REGISTRY
+            .iter()
+            .map(|s| (s.name, self.get(s.name).unwrap_or_default()))
+            .collect()
+    }
+
+    /// Only the toggles that differ from the default, in registry order.
+    pub fn non_default(&self) -> Vec<(&'static str, String)> {
+        let d = Toggles::default();
+        self.pairs()
+            .into_iter()
+            .filter(|(n, v)| d.get(n).as_deref() != Some(v.as_str()))
+            .collect()
+    }
+
+    /// The names of the toggles whose values differ between `self` and `other`.
+    pub fn diff(&self, other: &Toggles) -> Vec<&'static str> {
+        REGISTRY
+            .iter()
+            .map(|s| s.name)
+            .filter(|n| self.get(n) != other.get(n))
+            .collect()
+    }
+
+    /// True when any `fault.*` toggle is on.
+    pub fn has_fault(&self) -> bool {
+        self.non_default()
+            .iter()
+            .any(|(n, _)| n.starts_with("fault."))
+    }
+}
+
+/// Canonical text: the non-default toggles, `name=value` joined by commas (`""` for the default).
+impl fmt::Display for Toggles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = self
+            .non_default()
+            .into_iter()
+            .map(|(n, v)| format!("{n}={v}"))
+            .collect();
+        f.write_str(&parts.join(","))
+    }
+}
+
+/// Parses `name=value,name=value` (empty or `default` for the default set).
+impl FromStr for Toggles {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let mut t = Toggles::default();
+        let s = s.trim();
+        if s.is_empty() || s == "default" {
+            return Ok(t);
+        }
+        for part in s.split(',').filter(|p| !p.trim().is_empty()) {
+            let (name, value) = part.split_once('=').ok_or_else(|| Error::Toggle {
+                name: part.to_string(),
+                message: "expected name=value".to_string(),
+            })?;
+            t.set(name, value)?;
+        }
+        Ok(t)
+    }
+}
+
+impl Serialize for Toggles {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let pairs = self.pairs();
+        let mut m = s.serialize_map(Some(pairs.len()))?;
+        for (n, v) in pairs {
+            m.serialize_entry(n, &v)?;
+        }
+        m.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Toggles {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let map = std::collections::BTreeMap::<String, String>::deserialize(d)?;
+        let mut t = Toggles::default();
+        for (n, v) in map {
+            t.set(&n, &v).map_err(serde::de::Error::custom)?;
+        }
+        Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_empty_text_and_round_trips() {
+        let t = Toggles::default();
+        assert_eq!(t.to_string(), "");
+        assert_eq!("".parse::<Toggles>().unwrap(), t);
+    }
+
+    #[test]
+    fn text_form_round_trips_every_toggle() {
+        let s = "matmul=bf16,attn_scores=bf16,kv_dtype=fp8-e4m3,decode_topk=64,\
+                 fault.encoding=drop_thinking_always,fault.context_window=512";
+        let t: Toggles = s.parse().unwrap();
+        assert_eq!(t.to_string(), s);
+        assert_eq!(t.to_string().parse::<Toggles>().unwrap(), t);
+        let json = serde_json::to_string(&t).unwrap();
+        assert_eq!(serde_json::from_str::<Toggles>(&json).unwrap(), t);
+        assert!(t.has_fault());
+    }
+
+    #[test]
+    fn bad_names_and_values_are_clear_errors() {
+        let e = "matmul=f16".parse::<Toggles>().unwrap_err().to_string();
+        assert!(e.contains("matmul") && e.contains("f32 | bf16"), "{e}");
+        let e = "nope=1".parse::<Toggles>().unwrap_err().to_string();
+        assert!(e.contains("unknown toggle"), "{e}");
+        let e = "decode_topk=0".parse::<Toggles>().unwrap_err().to_string();
+        assert!(e.contains("decode_topk"), "{e}");
+        assert!("matmul".parse::<Toggles>().is_err());
+    }
+
+    #[test]
+    fn diff_names_changed_toggles() {
+        let a: Toggles = "matmul=bf16".parse().unwrap();
+        let b: Toggles = "kv_dtype=bf16,matmul=bf16".parse().unwrap();
+        assert_eq!(a.diff(&b), vec!["kv_dtype"]);
+        assert!(a.diff(&a).is_empty());
+    }
+}
