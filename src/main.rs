@@ -1,1 +1,105 @@
-fn main() {}
+//! `tapedeck`: record, replay and compare multi-turn LLM serving sessions.
+//!
+//! A thin binary: each subcommand parses its arguments and calls one library function; errors
+//! become a message and a non-zero exit code.
+
+mod cli_generate;
+mod embedded;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+/// Record, replay and compare multi-turn LLM serving sessions for context fidelity and speed.
+#[derive(Parser, Debug)]
+#[command(name = "tapedeck", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate text with the in-process engine.
+    Generate(cli_generate::GenerateArgs),
+    /// List the engine's toggles: names, allowed values, defaults.
+    Toggles,
+    /// Write an embedded fixture model to a directory (or print where it is cached).
+    Fixture {
+        /// Embedded model name (`tiny-qwen2` or `tiny-llama`).
+        #[arg(default_value = embedded::DEFAULT_MODEL)]
+        name: String,
+        /// Directory to write; default: the cache directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate(args) => cli_generate::run(args),
+        Command::Toggles => {
+            print_toggles();
+            Ok(())
+        }
+        Command::Fixture { name, out } => {
+            let dir = match out {
+                Some(out) => {
+                    embedded::write_to(&name, &out)?;
+                    out
+                }
+                None => embedded::resolve(&name)?,
+            };
+            println!("{}", dir.display());
+            Ok(())
+        }
+    }
+}
+
+fn print_toggles() {
+    use tapedeck_engine::toggles::REGISTRY;
+    let w_name = REGISTRY
+        .iter()
+        .map(|s| s.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    let w_vals = REGISTRY
+        .iter()
+        .map(|s| s.values.len())
+        .max()
+        .unwrap_or(6)
+        .max(6);
+    let w_def = REGISTRY
+        .iter()
+        .map(|s| s.default.len())
+        .max()
+        .unwrap_or(7)
+        .max(7);
+    println!(
+        "{:w_name$}  {:w_vals$}  {:w_def$}  DESCRIPTION",
+        "NAME", "VALUES", "DEFAULT"
+    );
+    for s in REGISTRY {
+        println!(
+            "{:w_name$}  {:w_vals$}  {:w_def$}  {}",
+            s.name, s.values, s.default, s.description
+        );
+    }
+}

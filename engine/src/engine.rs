@@ -1,36 +1,86 @@
 //! The engine a caller holds: model, tokenizer and chat template loaded from one directory, with
 //! `generate` and `score` over token IDs.
 //!
-//! INTERFACE STUB: bodies in progress.
+//! This is the synchronous core. It runs one request's forward passes on its own thread pool; the
+//! serving scheduler batches many requests through [`Model::forward`] directly.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use crate::chat::{ChatTemplate, EncodeOptions, Encoding};
+use crate::config::Config;
+use crate::decoding::Decoding;
 use crate::error::{Error, Result};
 use crate::generate::{GenerateOutput, GenerateRequest, LogitsSummary, TokenEvent};
 use crate::messages::ChatMessage;
-use crate::tokenizer::Tokenizer;
+use crate::model::{KvCache, Model, WantLogits};
+use crate::sampling::summarize;
 use crate::toggles::Toggles;
+use crate::tokenizer::Tokenizer;
+use crate::weights::WeightStore;
+
+/// How to load an engine.
+#[derive(Debug, Clone, Default)]
+pub struct EngineOptions {
+    /// Worker threads for forward passes (`None`: one per core).
+    pub threads: Option<usize>,
+}
 
 /// A loaded model ready to serve. `Send + Sync`: share it behind an `Arc`.
 pub struct Engine {
     dir: PathBuf,
+    model: Model,
     tokenizer: Tokenizer,
     template: ChatTemplate,
+    pool: rayon::ThreadPool,
 }
 
 /// The score of one given token under the model (teacher forcing).
 pub type TokenScore = LogitsSummary;
 
+/// How teacher forcing feeds the scored tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScoreMode {
+    /// One forward pass over the whole sequence (what `/v1/completions` with `echo` does).
+    Prefill,
+    /// The context before `from` as one prefill, then one decode step per scored token, exactly
+    /// as generation runs: decode-only kernels and toggles (`decode_topk`) apply.
+    Decode,
+}
+
 impl Engine {
-    /// Loads a model directory.
+    /// Loads a model directory with default options.
     pub fn load(dir: &Path) -> Result<Self> {
+        Self::load_with(dir, &EngineOptions::default())
+    }
+
+    /// Loads a model directory.
+    pub fn load_with(dir: &Path, opts: &EngineOptions) -> Result<Self> {
+        let cfg = Config::from_dir(dir)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
         let template = ChatTemplate::from_dir(dir, &tokenizer)?;
+        if tokenizer.vocab_size() > cfg.vocab_size {
+            return Err(Error::InvalidConfig(format!(
+                "tokenizer has {} tokens but the model's vocab_size is {}",
+                tokenizer.vocab_size(),
+                cfg.vocab_size
+            )));
+        }
+        let mut ws = WeightStore::load(dir)?;
+        let model = Model::load(cfg, &mut ws)?;
+        let mut builder = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("engine-{i}"));
+        if let Some(n) = opts.threads {
+            builder = builder.num_threads(n.max(1));
+        }
+        let pool = builder
+            .build()
+            .map_err(|e| Error::InvalidRequest(format!("cannot start worker threads: {e}")))?;
         Ok(Engine {
             dir: dir.to_path_buf(),
+            model,
             tokenizer,
             template,
+            pool,
         })
     }
 
@@ -40,6 +90,21 @@ impl Engine {
             .file_name()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
+    }
+
+    /// The directory the model was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The model (for batched forward passes).
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The model configuration.
+    pub fn config(&self) -> &Config {
+        self.model.config()
     }
 
     /// The tokenizer.
@@ -54,7 +119,17 @@ impl Engine {
 
     /// The context window in tokens.
     pub fn context_len(&self) -> usize {
-        0
+        self.model.context_len()
+    }
+
+    /// Runs `f` on the engine's worker threads (forward passes parallelize there).
+    pub fn run_in_pool<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    /// Worker threads used for forward passes.
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
     }
 
     /// Renders and tokenizes a chat.
@@ -64,29 +139,169 @@ impl Engine {
         tools: Option<&[serde_json::Value]>,
         opts: &EncodeOptions,
     ) -> Result<Encoding> {
-        self.template
-            .encode(&self.tokenizer, messages, tools, opts)
+        self.template.encode(&self.tokenizer, messages, tools, opts)
+    }
+
+    fn forward_one(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        decode: bool,
+        want: WantLogits,
+        toggles: &Toggles,
+    ) -> Result<Vec<f32>> {
+        let (pool, seg) = cache.segment(tokens, decode, want);
+        let mut segs = [seg];
+        let mut out = self
+            .pool
+            .install(|| self.model.forward(pool, &mut segs, toggles))?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    fn check_prompt(&self, prompt: &[u32]) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::InvalidRequest("the prompt is empty".into()));
+        }
+        if prompt.len() >= self.context_len() {
+            return Err(Error::ContextOverflow {
+                prompt_tokens: prompt.len(),
+                context: self.context_len(),
+            });
+        }
+        Ok(())
     }
 
     /// Generates from prompt IDs, calling `on_token` for each token; generation stops early with
-    /// `FinishReason::Cancelled` when `on_token` returns `false`.
+    /// [`FinishReason::Cancelled`](crate::FinishReason::Cancelled) when `on_token` returns `false`.
+    ///
+    /// This runs one request alone, with the same prefill chunking and decode steps as the
+    /// batching scheduler, so its tokens and summaries are those the server would produce.
     pub fn generate(
         &self,
-        _req: &GenerateRequest,
-        _on_token: &mut dyn FnMut(&TokenEvent) -> bool,
+        req: &GenerateRequest,
+        on_token: &mut dyn FnMut(&TokenEvent) -> bool,
     ) -> Result<GenerateOutput> {
-        Err(Error::InvalidRequest("not yet implemented".into()))
+        let start = Instant::now();
+        self.check_prompt(&req.prompt)?;
+        let mut cache = KvCache::new(self.config());
+        let mut dec = Decoding::new(req, start);
+        let mut logits = self.prefill(&req.prompt, &mut cache, &req.toggles)?;
+        dec.prefilled();
+        loop {
+            let full = cache.len() + 1 >= self.context_len();
+            let (event, finished) = dec.step(&logits, &self.tokenizer, full)?;
+            if !on_token(&event) {
+                dec.cancel();
+                break;
+            }
+            if finished {
+                break;
+            }
+            logits = self.forward_one(
+                &[event.id],
+                &mut cache,
+                true,
+                WantLogits::Last,
+                &req.toggles,
+            )?;
+        }
+        Ok(dec.finish())
     }
 
-    /// Teacher forcing: for every position `i` in `from..tokens.len()`, the summary of the model's
-    /// distribution after `tokens[..i]`, with `logprob` that of `tokens[i]`.
+    /// Prefills `tokens` in chunks per the `prefill_chunk` toggle; returns the last logits.
+    fn prefill(&self, tokens: &[u32], cache: &mut KvCache, toggles: &Toggles) -> Result<Vec<f32>> {
+        let chunk = toggles
+            .prefill_chunk
+            .map_or(tokens.len(), |c| c.get())
+            .max(1);
+        let mut logits = Vec::new();
+        for (i, piece) in tokens.chunks(chunk).enumerate() {
+            let last = (i + 1) * chunk >= tokens.len();
+            let want = if last {
+                WantLogits::Last
+            } else {
+                WantLogits::None
+            };
+            let (pool, mut seg) = cache.segment(piece, false, want);
+            seg.fault_chunk_boundary = toggles.fault_chunk_boundary && i > 0;
+            let mut segs = [seg];
+            let mut out = self
+                .pool
+                .install(|| self.model.forward(pool, &mut segs, toggles))?;
+            if last {
+                logits = out.pop().unwrap_or_default();
+            }
+        }
+        Ok(logits)
+    }
+
+    /// Teacher forcing in one prefill pass: for every position `i` in `from..tokens.len()`, the
+    /// summary of the model's distribution after `tokens[..i]`, with `logprob` that of `tokens[i]`.
     pub fn score(
         &self,
-        _tokens: &[u32],
-        _from: usize,
-        _top_k: usize,
-        _toggles: &Toggles,
+        tokens: &[u32],
+        from: usize,
+        top_k: usize,
+        toggles: &Toggles,
     ) -> Result<Vec<TokenScore>> {
-        Err(Error::InvalidRequest("not yet implemented".into()))
+        self.score_with(tokens, from, top_k, toggles, ScoreMode::Prefill)
+    }
+
+    /// Teacher forcing with a chosen [`ScoreMode`].
+    pub fn score_with(
+        &self,
+        tokens: &[u32],
+        from: usize,
+        top_k: usize,
+        toggles: &Toggles,
+        mode: ScoreMode,
+    ) -> Result<Vec<TokenScore>> {
+        if from == 0 || from > tokens.len() {
+            return Err(Error::InvalidRequest(format!(
+                "scoring starts at position {from}, which must be in 1..={}",
+                tokens.len()
+            )));
+        }
+        if tokens.len() > self.context_len() {
+            return Err(Error::ContextOverflow {
+                prompt_tokens: tokens.len(),
+                context: self.context_len(),
+            });
+        }
+        let mut cache = KvCache::new(self.config());
+        let vocab = self.config().vocab_size;
+        let mut scores = Vec::with_capacity(tokens.len() - from);
+        match mode {
+            ScoreMode::Prefill => {
+                // Only rows from-1.. are needed, but a single pass keeps the numerics of one prefill.
+                let logits = self.forward_one(
+                    &tokens[..tokens.len() - 1],
+                    &mut cache,
+                    false,
+                    WantLogits::All,
+                    toggles,
+                )?;
+                for i in from..tokens.len() {
+                    let row = &logits[(i - 1) * vocab..i * vocab];
+                    scores.push(summarize(row, tokens[i], top_k));
+                }
+            }
+            ScoreMode::Decode => {
+                let mut logits = self.prefill(&tokens[..from], &mut cache, toggles)?;
+                for i in from..tokens.len() {
+                    scores.push(summarize(&logits, tokens[i], top_k));
+                    if i + 1 < tokens.len() {
+                        logits = self.forward_one(
+                            &tokens[i..i + 1],
+                            &mut cache,
+                            true,
+                            WantLogits::Last,
+                            toggles,
+                        )?;
+                    }
+                }
+            }
+        }
+        Ok(scores)
     }
 }

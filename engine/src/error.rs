@@ -101,6 +101,17 @@ pub enum Error {
     /// A request cannot be served as given (empty prompt, token out of vocabulary, too long, ...).
     #[error("{0}")]
     InvalidRequest(String),
+    /// The scheduler's queue is full; retry later (the server answers 429).
+    #[error("overloaded: {waiting} requests already waiting (limit {limit})")]
+    Overloaded {
+        /// Requests waiting when this one arrived.
+        waiting: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// The scheduler has stopped (its thread ended).
+    #[error("the engine scheduler has stopped")]
+    SchedulerStopped,
     /// The prompt plus the requested output does not fit the model's context window.
     #[error("prompt of {prompt_tokens} tokens exceeds the context window of {context} tokens")]
     ContextOverflow {

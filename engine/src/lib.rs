@@ -7,16 +7,20 @@
 
 pub mod chat;
 pub mod config;
+pub mod decoding;
 pub mod engine;
 pub mod error;
 pub mod fixture;
 pub mod generate;
+pub mod kv_blocks;
 pub mod messages;
 pub mod model;
+pub mod models;
 pub mod numerics;
 pub mod sampling;
-pub mod tokenizer;
+pub mod scheduler;
 pub mod toggles;
+pub mod tokenizer;
 pub mod weights;
 
 pub use engine::Engine;

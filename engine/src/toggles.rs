@@ -53,7 +53,7 @@ pub enum EncodingFault {
 /// Every toggle of the engine, with its current value.
 ///
 /// `Default` is the reference configuration: f32 everywhere, no sparse attention, no faults.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Toggles {
     /// Input precision of every linear layer.
     pub matmul: Precision,
@@ -69,6 +69,33 @@ pub struct Toggles {
     /// Context-window fault: silently drop the oldest non-system turns until the prompt fits in N
     /// tokens (what a proxy that "helpfully" truncates does). `None` never drops.
     pub fault_context_window: Option<NonZeroUsize>,
+    /// Prefill prompts in chunks of at most N tokens, interleaved with other sequences' decode
+    /// steps. `None` prefills a prompt in one pass.
+    pub prefill_chunk: Option<NonZeroUsize>,
+    /// Reuse cached KV blocks of a common token prefix across requests.
+    pub prefix_cache: bool,
+    /// Prefix-cache fault: a lookup ignores the last token of each block, so a block whose tokens
+    /// differ only there is reused (a stale hit).
+    pub fault_prefix_cache_stale: bool,
+    /// Chunked-prefill fault: the first token of a chunk cannot see the token just before it.
+    pub fault_chunk_boundary: bool,
+}
+
+impl Default for Toggles {
+    fn default() -> Self {
+        Toggles {
+            matmul: Precision::F32,
+            attn_scores: Precision::F32,
+            kv_dtype: KvDtype::F32,
+            decode_topk: None,
+            fault_encoding: EncodingFault::Off,
+            fault_context_window: None,
+            prefill_chunk: None,
+            prefix_cache: true,
+            fault_prefix_cache_stale: false,
+            fault_chunk_boundary: false,
+        }
+    }
 }
 
 /// What the registry knows about one toggle.
@@ -111,6 +138,18 @@ pub const REGISTRY: &[ToggleSpec] = &[
         description: "sparse decode attention over the N highest-scoring cached tokens",
     },
     ToggleSpec {
+        name: "prefill_chunk",
+        values: "off | N",
+        default: "off",
+        description: "prefill prompts in chunks of at most N tokens (interleaved with decodes)",
+    },
+    ToggleSpec {
+        name: "prefix_cache",
+        values: "on | off",
+        default: "on",
+        description: "reuse KV blocks of a shared token prefix across requests",
+    },
+    ToggleSpec {
         name: "fault.encoding",
         values: "off | drop_thinking_always",
         default: "off",
@@ -121,6 +160,18 @@ pub const REGISTRY: &[ToggleSpec] = &[
         values: "off | N",
         default: "off",
         description: "FAULT: silently drop the oldest turns until the prompt fits N tokens",
+    },
+    ToggleSpec {
+        name: "fault.prefix_cache",
+        values: "off | stale",
+        default: "off",
+        description: "FAULT: prefix-cache lookups ignore each block's last token (stale hits)",
+    },
+    ToggleSpec {
+        name: "fault.chunk",
+        values: "off | boundary",
+        default: "off",
+        description: "FAULT: a prefill chunk's first token cannot see the token before it",
     },
 ];
 
@@ -151,6 +202,19 @@ fn parse_off_or_n(name: &str, v: &str) -> Result<Option<NonZeroUsize>> {
     v.parse::<NonZeroUsize>()
         .map(Some)
         .map_err(|_| bad(name, v))
+}
+
+/// Parses a two-valued toggle whose "on" value is spelled `on_word` and whose other value is `off`.
+fn parse_on_off(name: &str, v: &str, on_word: &str) -> Result<bool> {
+    match v {
+        "off" => Ok(false),
+        v if v == on_word => Ok(true),
+        _ => Err(bad(name, v)),
+    }
+}
+
+fn on_off(v: bool, on_word: &str) -> String {
+    if v { on_word } else { "off" }.to_string()
 }
 
 fn precision_str(p: Precision) -> &'static str {
@@ -188,6 +252,12 @@ impl Toggles {
                 }
             }
             "fault.context_window" => self.fault_context_window = parse_off_or_n(name, value)?,
+            "prefill_chunk" => self.prefill_chunk = parse_off_or_n(name, value)?,
+            "prefix_cache" => self.prefix_cache = parse_on_off(name, value, "on")?,
+            "fault.prefix_cache" => {
+                self.fault_prefix_cache_stale = parse_on_off(name, value, "stale")?
+            }
+            "fault.chunk" => self.fault_chunk_boundary = parse_on_off(name, value, "boundary")?,
             other => {
                 let known: Vec<_> = REGISTRY.iter().map(|s| s.name).collect();
                 return Err(Error::Toggle {
@@ -217,6 +287,10 @@ impl Toggles {
             }
             .to_string(),
             "fault.context_window" => off_or_n(self.fault_context_window),
+            "prefill_chunk" => off_or_n(self.prefill_chunk),
+            "prefix_cache" => on_off(self.prefix_cache, "on"),
+            "fault.prefix_cache" => on_off(self.fault_prefix_cache_stale, "stale"),
+            "fault.chunk" => on_off(self.fault_chunk_boundary, "boundary"),
             _ => return None,
         })
     }
@@ -245,6 +319,19 @@ impl Toggles {
             .map(|s| s.name)
             .filter(|n| self.get(n) != other.get(n))
             .collect()
+    }
+
+    /// The toggles that change the numbers stored in the KV cache, in canonical text: the part of
+    /// the set that a prefix-cache key must include. Chunking and caching themselves do not change
+    /// the numbers (the invariance tests prove it), so they are left out, except the chunk fault.
+    pub fn kv_key(&self) -> String {
+        let mut t = *self;
+        t.prefill_chunk = None;
+        t.prefix_cache = true;
+        t.fault_prefix_cache_stale = false;
+        t.fault_encoding = EncodingFault::Off;
+        t.fault_context_window = None;
+        t.to_string()
     }
 
     /// True when any `fault.*` toggle is on.
@@ -325,7 +412,8 @@ mod tests {
     #[test]
     fn text_form_round_trips_every_toggle() {
         let s = "matmul=bf16,attn_scores=bf16,kv_dtype=fp8-e4m3,decode_topk=64,\
-                 fault.encoding=drop_thinking_always,fault.context_window=512";
+                 prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
+                 fault.context_window=512,fault.prefix_cache=stale,fault.chunk=boundary";
         let t: Toggles = s.parse().unwrap();
         assert_eq!(t.to_string(), s);
         assert_eq!(t.to_string().parse::<Toggles>().unwrap(), t);

@@ -147,7 +147,9 @@ impl IncrementalDecoder {
         self.ids.push(id);
         let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset])?;
         let full = tok.decode(&self.ids[self.prefix_offset..])?;
-        let tail = full.strip_prefix(prefix.as_str()).or_else(|| full.get(prefix.len()..));
+        let tail = full
+            .strip_prefix(prefix.as_str())
+            .or_else(|| full.get(prefix.len()..));
         if let Some(new) = tail.filter(|t| !t.is_empty() && !full.ends_with('\u{FFFD}')) {
             let new = new.to_string();
             self.prefix_offset = self.read_offset;

@@ -1,1 +1,28 @@
-//! recorder
+//! tapedeck's recorder: an OpenAI-compatible HTTP front end that records every request it serves.
+//!
+//! * [`server`]: the axum app (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`,
+//!   `/metrics`) and [`server::serve`], which the `tapedeck serve` command calls.
+//! * [`backend`]: what the server generates with — the in-process engine now, an upstream OpenAI
+//!   server later — behind one trait.
+//! * [`store`], [`writer`], [`blob`]: the SQLite database, the off-request-path batched writer,
+//!   and the binary encoding of per-token columns.
+//! * [`stitch`]: how requests are grouped into multi-turn sessions and classified.
+//! * [`sessions`]: list, show, export and import sessions (JSONL, `tapedeck.session.v1`).
+//!
+//! Formats are described in `recorder/FORMAT.md`.
+
+pub mod backend;
+pub mod blob;
+pub mod error;
+pub mod record;
+pub mod server;
+pub mod stitch;
+pub mod store;
+pub mod writer;
+
+pub use backend::{Backend, EngineBackend};
+pub use error::{Error, Result};
+pub use record::{RequestKind, RequestRecord};
+pub use server::{serve, ServeConfig};
+pub use store::Store;
+pub use writer::{QueuePolicy, RecordWriter, WriterConfig};

@@ -1,0 +1,205 @@
+//! The per-request state of generation, shared by [`Engine::generate`] and the scheduler: sampler,
+//! incremental detokenizer, stop-string matcher and the output being built.
+//!
+//! Keeping one implementation means a request served alone and one served in a batch finish for
+//! the same reasons with the same text.
+//!
+//! [`Engine::generate`]: crate::Engine::generate
+
+use std::time::Instant;
+
+use crate::error::Result;
+use crate::generate::{FinishReason, GenerateOutput, GenerateRequest, Timings, TokenEvent};
+use crate::sampling::{summarize, Sampler};
+use crate::tokenizer::{IncrementalDecoder, Tokenizer};
+
+/// One request's generation in progress.
+pub struct Decoding {
+    sampler: Sampler,
+    stops: StopMatcher,
+    detok: IncrementalDecoder,
+    out: GenerateOutput,
+    start: Instant,
+    max_tokens: usize,
+    ignore_eos: bool,
+    stop_token_ids: Vec<u32>,
+    top_k_summary: usize,
+    done: bool,
+}
+
+impl Decoding {
+    /// Starts decoding for `req`; `start` is when the request arrived (timings count from it).
+    pub fn new(req: &GenerateRequest, start: Instant) -> Self {
+        Decoding {
+            sampler: Sampler::new(&req.sampling),
+            stops: StopMatcher::new(&req.stop.stop_strings),
+            detok: IncrementalDecoder::default(),
+            out: GenerateOutput {
+                tokens: Vec::new(),
+                text: String::new(),
+                summaries: Vec::new(),
+                finish_reason: FinishReason::Length,
+                matched_stop: None,
+                prompt_tokens: req.prompt.len(),
+                timings: Timings::default(),
+            },
+            start,
+            max_tokens: req.stop.max_tokens,
+            ignore_eos: req.stop.ignore_eos,
+            stop_token_ids: req.stop.stop_token_ids.clone(),
+            top_k_summary: req.top_k_summary,
+            done: req.stop.max_tokens == 0,
+        }
+    }
+
+    /// Tokens generated so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.out.tokens
+    }
+
+    /// Whether generation has ended.
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Marks the end of the prompt's prefill (for the timings).
+    pub fn prefilled(&mut self) {
+        self.out.timings.prefill = self.start.elapsed();
+    }
+
+    /// Chooses the next token from `logits`; `context_full` says the context window has no room
+    /// for another position. Returns the event to stream and whether generation ended.
+    pub fn step(
+        &mut self,
+        logits: &[f32],
+        tok: &Tokenizer,
+        context_full: bool,
+    ) -> Result<(TokenEvent, bool)> {
+        if self.out.tokens.is_empty() && self.out.timings.prefill.is_zero() {
+            self.prefilled();
+        }
+        let id = self.sampler.sample(logits);
+        let summary = summarize(logits, id, self.top_k_summary);
+        self.out.tokens.push(id);
+        self.out.summaries.push(summary.clone());
+        let is_stop_token =
+            (!self.ignore_eos && tok.eos_ids.contains(&id)) || self.stop_token_ids.contains(&id);
+        let mut text = String::new();
+        let mut hit = None;
+        if !is_stop_token {
+            let piece = self.detok.push(tok, id)?;
+            let (emit, matched) = self.stops.push(&piece);
+            text = emit;
+            hit = matched;
+        }
+        self.out.text.push_str(&text);
+        let elapsed = self.start.elapsed();
+        self.out.timings.first_token.get_or_insert(elapsed);
+        if is_stop_token || hit.is_some() {
+            self.out.finish_reason = FinishReason::Stop;
+            self.out.matched_stop = hit;
+            self.done = true;
+        } else if context_full || self.out.tokens.len() >= self.max_tokens {
+            self.out.finish_reason = FinishReason::Length;
+            self.done = true;
+        }
+        let event = TokenEvent {
+            id,
+            text,
+            summary,
+            elapsed,
+        };
+        Ok((event, self.done))
+    }
+
+    /// Ends generation because the caller stopped listening.
+    pub fn cancel(&mut self) {
+        self.out.finish_reason = FinishReason::Cancelled;
+        self.done = true;
+    }
+
+    /// The final output. Text held back for a stop string that never completed is released.
+    pub fn finish(mut self) -> GenerateOutput {
+        if self.out.finish_reason != FinishReason::Stop {
+            let rest = self.stops.flush();
+            self.out.text.push_str(&rest);
+        }
+        if self.out.timings.prefill.is_zero() {
+            self.prefilled();
+        }
+        self.out.timings.total = self.start.elapsed();
+        self.out
+    }
+}
+
+/// Finds stop strings in streamed text, holding back any tail that could still become one.
+#[derive(Debug, Default)]
+struct StopMatcher {
+    stops: Vec<String>,
+    /// Text received but not yet released.
+    pending: String,
+}
+
+impl StopMatcher {
+    fn new(stops: &[String]) -> Self {
+        StopMatcher {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            pending: String::new(),
+        }
+    }
+
+    /// Adds text; returns what can be released and the stop string matched, if any (the text
+    /// released then ends just before it).
+    fn push(&mut self, piece: &str) -> (String, Option<String>) {
+        self.pending.push_str(piece);
+        if self.stops.is_empty() {
+            return (std::mem::take(&mut self.pending), None);
+        }
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|(at, _)| *at);
+        if let Some((at, s)) = first {
+            let s = s.clone();
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, Some(s));
+        }
+        // Hold back the longest suffix that is a proper prefix of some stop string.
+        let mut hold = 0;
+        for s in &self.stops {
+            for (k, _) in s.char_indices().skip(1) {
+                if self.pending.ends_with(&s[..k]) {
+                    hold = hold.max(k);
+                }
+            }
+        }
+        let cut = self.pending.len() - hold;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, None)
+    }
+
+    fn flush(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopMatcher;
+
+    #[test]
+    fn stop_matcher_holds_back_partial_matches() {
+        let mut m = StopMatcher::new(&["STOP".to_string()]);
+        assert_eq!(m.push("abc S"), ("abc ".to_string(), None));
+        assert_eq!(m.push("T"), (String::new(), None));
+        assert_eq!(m.push("x"), ("STx".to_string(), None));
+        assert_eq!(m.push("yST"), ("y".to_string(), None));
+        assert_eq!(m.push("OPz"), (String::new(), Some("STOP".to_string())));
+        let mut m = StopMatcher::new(&["é!".to_string()]);
+        assert_eq!(m.push("aé"), ("a".to_string(), None));
+        assert_eq!(m.flush(), "é");
+    }
+}

@@ -1,0 +1,690 @@
+//! Llama-family decoder (Llama 2/3, Qwen2, Mistral) on the CPU, f32 reference with toggles.
+//!
+//! Paper: "LLaMA: Open and Efficient Foundation Language Models" (arXiv:2302.13971); reference
+//! implementation: Hugging Face transformers `modeling_llama.py` / `modeling_qwen2.py`, which the
+//! golden tests compare against.
+//!
+//! A forward pass takes a batch of [`Segment`]s — runs of new tokens of different sequences, each
+//! with its own KV cache — so prefill chunks and decode steps of many sequences share every linear
+//! layer. Attention is per segment. Because [`matmul_t`] is batch-invariant, a segment's outputs do
+//! not depend on the other segments in the batch.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::numerics::{
+    fake_quant_fp8_e4m3, matmul_t, rms_norm, round_bf16, round_bf16_slice, silu_mul,
+};
+use crate::toggles::{KvDtype, Precision, Toggles};
+use crate::weights::WeightStore;
+
+/// A linear layer `y = x·Wᵀ + b` with `W` stored `(out, in)`.
+struct Linear {
+    /// (out, in)
+    w: Vec<f32>,
+    /// (out)
+    b: Option<Vec<f32>>,
+    out: usize,
+    inp: usize,
+    /// `w` rounded to bf16, made on first use of `matmul=bf16`.
+    w_bf16: OnceLock<Vec<f32>>,
+    /// The checkpoint stored `w` in bf16, so it is already bf16-exact.
+    stored_bf16: bool,
+}
+
+impl Linear {
+    fn load(ws: &mut WeightStore, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self> {
+        let w = ws.take(&format!("{name}.weight"), &[out, inp])?;
+        let b = if bias {
+            Some(ws.take(&format!("{name}.bias"), &[out])?.data)
+        } else {
+            None
+        };
+        Ok(Linear {
+            stored_bf16: w.stored_as == safetensors::Dtype::BF16,
+            w: w.data,
+            b,
+            out,
+            inp,
+            w_bf16: OnceLock::new(),
+        })
+    }
+
+    fn weights(&self, p: Precision) -> &[f32] {
+        match p {
+            Precision::Bf16 if !self.stored_bf16 => self.w_bf16.get_or_init(|| {
+                let mut w = self.w.clone();
+                round_bf16_slice(&mut w);
+                w
+            }),
+            _ => &self.w,
+        }
+    }
+
+    /// `out (n, self.out) = x (n, self.inp) · Wᵀ + b`; with bf16, inputs are rounded first.
+    fn forward(&self, x: &[f32], n: usize, out: &mut [f32], p: Precision, scratch: &mut Vec<f32>) {
+        let xin: &[f32] = if p == Precision::Bf16 {
+            scratch.clear();
+            scratch.extend(x.iter().map(|&v| round_bf16(v)));
+            scratch
+        } else {
+            x
+        };
+        matmul_t(
+            xin,
+            self.weights(p),
+            self.b.as_deref(),
+            n,
+            self.inp,
+            self.out,
+            out,
+        );
+    }
+}
+
+struct Layer {
+    /// (hidden)
+    attn_norm: Vec<f32>,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    /// (hidden)
+    mlp_norm: Vec<f32>,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// Which logits a segment wants back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WantLogits {
+    /// None (a prefill chunk that is not the last).
+    None,
+    /// The last token's (generation).
+    Last,
+    /// Every token's (scoring).
+    All,
+}
+
+/// Key/value storage for many sequences, in fixed-size blocks (paged attention's layout).
+///
+/// A sequence owns a [`BlockTable`] listing the blocks that hold its positions in order; two
+/// sequences with a common prefix can list the same full blocks (the prefix cache). Values are
+/// stored as f32 holding exactly what the `kv_dtype` toggle's storage type would hold.
+#[derive(Debug, Clone)]
+pub struct KvPool {
+    block_size: usize,
+    kv_dim: usize,
+    num_blocks: usize,
+    /// Per layer: (num_blocks, block_size, kv_heads, head_dim) keys.
+    k: Vec<Vec<f32>>,
+    /// Per layer: (num_blocks, block_size, kv_heads, head_dim) values.
+    v: Vec<Vec<f32>>,
+}
+
+impl KvPool {
+    /// A pool of `num_blocks` blocks of `block_size` positions for a model.
+    pub fn new(cfg: &Config, block_size: usize, num_blocks: usize) -> Self {
+        let kv_dim = cfg.num_kv_heads * cfg.head_dim;
+        let per_layer = num_blocks * block_size * kv_dim;
+        KvPool {
+            block_size,
+            kv_dim,
+            num_blocks,
+            k: vec![vec![0.0; per_layer]; cfg.num_layers],
+            v: vec![vec![0.0; per_layer]; cfg.num_layers],
+        }
+    }
+
+    /// Bytes one block takes across all layers (keys and values, f32).
+    pub fn block_bytes(cfg: &Config, block_size: usize) -> usize {
+        2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4
+    }
+
+    /// Positions per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Adds `n` blocks (for single-sequence use, where the pool grows with the sequence).
+    pub fn grow(&mut self, n: usize) {
+        self.num_blocks += n;
+        let per_layer = self.num_blocks * self.block_size * self.kv_dim;
+        for l in self.k.iter_mut().chain(self.v.iter_mut()) {
+            l.resize(per_layer, 0.0);
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(|x| x.len() * 4).sum()
+    }
+}
+
+/// The blocks holding one sequence's positions, in order, and how many positions are filled.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockTable {
+    /// Block IDs in the pool.
+    pub blocks: Vec<u32>,
+    /// Positions filled.
+    pub len: usize,
+}
+
+impl BlockTable {
+    /// Row index in the pool's per-layer arrays of position `pos`.
+    #[inline]
+    fn slot(&self, pos: usize, block_size: usize) -> usize {
+        self.blocks[pos / block_size] as usize * block_size + pos % block_size
+    }
+}
+
+/// A single sequence's cache: a private, growing pool and its table. What [`Engine`] uses for
+/// one request at a time; the scheduler shares one pool among many sequences instead.
+///
+/// [`Engine`]: crate::Engine
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    /// The pool.
+    pub pool: KvPool,
+    /// The sequence's table.
+    pub table: BlockTable,
+}
+
+impl KvCache {
+    /// An empty cache for a model.
+    pub fn new(cfg: &Config) -> Self {
+        KvCache {
+            pool: KvPool::new(cfg, 16, 0),
+            table: BlockTable::default(),
+        }
+    }
+
+    /// Positions cached.
+    pub fn len(&self) -> usize {
+        self.table.len
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.table.len == 0
+    }
+
+    /// Makes room for `n` more positions.
+    pub fn reserve(&mut self, n: usize) {
+        let bs = self.pool.block_size;
+        let need = (self.table.len + n).div_ceil(bs);
+        while self.table.blocks.len() < need {
+            self.table.blocks.push(self.pool.num_blocks as u32);
+            self.pool.grow(1);
+        }
+    }
+
+    /// A segment over this cache.
+    pub fn segment<'a>(
+        &'a mut self,
+        tokens: &'a [u32],
+        decode: bool,
+        want: WantLogits,
+    ) -> (&'a mut KvPool, Segment<'a>) {
+        self.reserve(tokens.len());
+        (
+            &mut self.pool,
+            Segment {
+                tokens,
+                table: &mut self.table,
+                decode,
+                want,
+                fault_chunk_boundary: false,
+            },
+        )
+    }
+}
+
+/// New tokens of one sequence in a forward pass.
+pub struct Segment<'a> {
+    /// The tokens, at positions `table.len..table.len + tokens.len()`.
+    pub tokens: &'a [u32],
+    /// The sequence's blocks, already covering the new positions; the pass writes these tokens'
+    /// keys and values there and advances `len`.
+    pub table: &'a mut BlockTable,
+    /// A decode step (one token after the prompt): sparse `decode_topk` applies only here.
+    pub decode: bool,
+    /// Which logits to return.
+    pub want: WantLogits,
+    /// FAULT `fault.chunk=boundary`: the first token of this segment cannot see the token just
+    /// before it (an off-by-one in the causal mask at a prefill-chunk boundary).
+    pub fault_chunk_boundary: bool,
+}
+
+/// A loaded model.
+pub struct Model {
+    cfg: Config,
+    /// (vocab, hidden)
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    /// (hidden)
+    norm: Vec<f32>,
+    /// (vocab, hidden); `None` when tied to `embed`.
+    lm_head: Option<Linear>,
+    /// Tied head as a Linear view over a copy of `embed` (kept separate so bf16 rounding is cached).
+    tied_head: Option<Linear>,
+    /// (head_dim / 2)
+    inv_freq: Vec<f32>,
+}
+
+impl Model {
+    /// Loads weights for `cfg` from a store, checking every shape.
+    pub fn load(cfg: Config, ws: &mut WeightStore) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let q_dim = cfg.num_heads * cfg.head_dim;
+        let kv_dim = cfg.num_kv_heads * cfg.head_dim;
+        let embed = ws.take("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Layer {
+                attn_norm: ws.take(&format!("{p}.input_layernorm.weight"), &[h])?.data,
+                q: Linear::load(ws, &format!("{p}.self_attn.q_proj"), q_dim, h, cfg.qkv_bias)?,
+                k: Linear::load(
+                    ws,
+                    &format!("{p}.self_attn.k_proj"),
+                    kv_dim,
+                    h,
+                    cfg.qkv_bias,
+                )?,
+                v: Linear::load(
+                    ws,
+                    &format!("{p}.self_attn.v_proj"),
+                    kv_dim,
+                    h,
+                    cfg.qkv_bias,
+                )?,
+                o: Linear::load(ws, &format!("{p}.self_attn.o_proj"), h, q_dim, cfg.o_bias)?,
+                mlp_norm: ws
+                    .take(&format!("{p}.post_attention_layernorm.weight"), &[h])?
+                    .data,
+                gate: Linear::load(
+                    ws,
+                    &format!("{p}.mlp.gate_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    false,
+                )?,
+                up: Linear::load(
+                    ws,
+                    &format!("{p}.mlp.up_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    false,
+                )?,
+                down: Linear::load(
+                    ws,
+                    &format!("{p}.mlp.down_proj"),
+                    h,
+                    cfg.intermediate_size,
+                    false,
+                )?,
+            });
+        }
+        let norm = ws.take("model.norm.weight", &[h])?.data;
+        let tied = cfg.tie_word_embeddings || !ws.contains("lm_head.weight");
+        let lm_head = if tied {
+            None
+        } else {
+            Some(Linear::load(ws, "lm_head", cfg.vocab_size, h, false)?)
+        };
+        let tied_head = tied.then(|| Linear {
+            w: embed.data.clone(),
+            b: None,
+            out: cfg.vocab_size,
+            inp: h,
+            w_bf16: OnceLock::new(),
+            stored_bf16: embed.stored_as == safetensors::Dtype::BF16,
+        });
+        let leftover: Vec<String> = ws
+            .remaining()
+            .into_iter()
+            .filter(|n| !n.contains("rotary_emb"))
+            .collect();
+        if !leftover.is_empty() {
+            tracing::warn!(tensors = ?leftover, "checkpoint tensors not used by the model");
+        }
+        Ok(Model {
+            inv_freq: cfg.inv_freq(),
+            cfg,
+            embed: embed.data,
+            layers,
+            norm,
+            lm_head,
+            tied_head,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The usable context window.
+    pub fn context_len(&self) -> usize {
+        match self.cfg.sliding_window {
+            Some(w) => w.min(self.cfg.max_position_embeddings),
+            None => self.cfg.max_position_embeddings,
+        }
+    }
+
+    /// Runs new tokens of several sequences through the model, appending to their caches, and
+    /// returns for each segment the logits it asked for (`(rows, vocab)` flattened).
+    pub fn forward(
+        &self,
+        pool: &mut KvPool,
+        segs: &mut [Segment<'_>],
+        toggles: &Toggles,
+    ) -> Result<Vec<Vec<f32>>> {
+        let cfg = &self.cfg;
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let (nh, nkv) = (cfg.num_heads, cfg.num_kv_heads);
+        let (q_dim, kv_dim) = (nh * hd, nkv * hd);
+        // Per token of the batch: (segment, absolute position).
+        let mut where_: Vec<(usize, usize)> = Vec::new();
+        for (si, s) in segs.iter().enumerate() {
+            let start = s.table.len;
+            if (start + s.tokens.len()).div_ceil(pool.block_size) > s.table.blocks.len() {
+                return Err(Error::InvalidRequest(format!(
+                    "block table of {} blocks cannot hold {} positions",
+                    s.table.blocks.len(),
+                    start + s.tokens.len()
+                )));
+            }
+            if start + s.tokens.len() > self.context_len() {
+                return Err(Error::ContextOverflow {
+                    prompt_tokens: start + s.tokens.len(),
+                    context: self.context_len(),
+                });
+            }
+            for (i, &t) in s.tokens.iter().enumerate() {
+                if t as usize >= cfg.vocab_size {
+                    return Err(Error::InvalidRequest(format!(
+                        "token id {t} is outside the vocabulary of {}",
+                        cfg.vocab_size
+                    )));
+                }
+                where_.push((si, start + i));
+            }
+        }
+        let n = where_.len();
+        if n == 0 {
+            return Ok(segs.iter().map(|_| Vec::new()).collect());
+        }
+        let pm = toggles.matmul;
+        // (n, hidden) residual stream
+        let mut x = Vec::with_capacity(n * h);
+        for s in segs.iter() {
+            for &t in s.tokens {
+                x.extend_from_slice(&self.embed[t as usize * h..(t as usize + 1) * h]);
+            }
+        }
+        let mut xn = vec![0.0f32; n * h]; // (n, hidden)
+        let mut q = vec![0.0f32; n * q_dim]; // (n, heads, head_dim)
+        let mut k = vec![0.0f32; n * kv_dim]; // (n, kv_heads, head_dim)
+        let mut v = vec![0.0f32; n * kv_dim]; // (n, kv_heads, head_dim)
+        let mut att = vec![0.0f32; n * q_dim]; // (n, heads, head_dim)
+        let mut tmp = vec![0.0f32; n * h]; // (n, hidden)
+        let mut g = vec![0.0f32; n * cfg.intermediate_size]; // (n, intermediate)
+        let mut u = vec![0.0f32; n * cfg.intermediate_size]; // (n, intermediate)
+        let mut scratch = Vec::new();
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, &mut xn);
+            layer.q.forward(&xn, n, &mut q, pm, &mut scratch);
+            layer.k.forward(&xn, n, &mut k, pm, &mut scratch);
+            layer.v.forward(&xn, n, &mut v, pm, &mut scratch);
+            for (t, &(_, pos)) in where_.iter().enumerate() {
+                self.rope(&mut q[t * q_dim..(t + 1) * q_dim], pos);
+                self.rope(&mut k[t * kv_dim..(t + 1) * kv_dim], pos);
+            }
+            // Keys and values are stored as the cache dtype would hold them.
+            match toggles.kv_dtype {
+                KvDtype::F32 => {}
+                KvDtype::Bf16 => {
+                    round_bf16_slice(&mut k);
+                    round_bf16_slice(&mut v);
+                }
+                KvDtype::Fp8E4m3 => {
+                    for head in k.chunks_exact_mut(hd).chain(v.chunks_exact_mut(hd)) {
+                        fake_quant_fp8_e4m3(head);
+                    }
+                }
+            }
+            let bs = pool.block_size;
+            for (t, &(si, pos)) in where_.iter().enumerate() {
+                let row = segs[si].table.slot(pos, bs) * kv_dim;
+                pool.k[li][row..row + kv_dim].copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
+                pool.v[li][row..row + kv_dim].copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
+            }
+            {
+                let views: Vec<SeqView> = segs
+                    .iter()
+                    .map(|s| SeqView {
+                        blocks: &s.table.blocks,
+                        start: s.table.len,
+                        decode: s.decode,
+                        fault_chunk_boundary: s.fault_chunk_boundary,
+                    })
+                    .collect();
+                let layer_kv = LayerKv {
+                    k: &pool.k[li],
+                    v: &pool.v[li],
+                    block_size: bs,
+                    kv_dim,
+                    hd,
+                };
+                let q = &q;
+                let where_ = &where_;
+                att.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
+                    let (t, head) = (idx / nh, idx % nh);
+                    let (si, pos) = where_[t];
+                    let view = &views[si];
+                    let qh = &q[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
+                    let kvh = head / (nh / nkv);
+                    // The faulty mask hides the previous token from a chunk's first token.
+                    let hide = (view.fault_chunk_boundary && pos == view.start && pos > 0)
+                        .then(|| pos - 1);
+                    attend(
+                        qh,
+                        &layer_kv,
+                        view.blocks,
+                        pos + 1,
+                        hide,
+                        kvh,
+                        view.decode,
+                        toggles,
+                        out,
+                    );
+                });
+            }
+            layer.o.forward(&att, n, &mut tmp, pm, &mut scratch);
+            for (a, b) in x.iter_mut().zip(&tmp) {
+                *a += b;
+            }
+            rms_norm(&x, &layer.mlp_norm, cfg.rms_norm_eps, &mut xn);
+            layer.gate.forward(&xn, n, &mut g, pm, &mut scratch);
+            layer.up.forward(&xn, n, &mut u, pm, &mut scratch);
+            silu_mul(&mut g, &u);
+            layer.down.forward(&g, n, &mut tmp, pm, &mut scratch);
+            for (a, b) in x.iter_mut().zip(&tmp) {
+                *a += b;
+            }
+        }
+        for s in segs.iter_mut() {
+            s.table.len += s.tokens.len();
+        }
+        // Final norm and head only on the rows asked for.
+        let head = self
+            .lm_head
+            .as_ref()
+            .or(self.tied_head.as_ref())
+            .ok_or_else(|| Error::InvalidConfig("model has no output head".into()))?;
+        let mut out = Vec::with_capacity(segs.len());
+        let mut t0 = 0;
+        for s in segs.iter() {
+            let len = s.tokens.len();
+            let rows = match s.want {
+                WantLogits::None => 0..0,
+                WantLogits::Last => t0 + len - 1..t0 + len,
+                WantLogits::All => t0..t0 + len,
+            };
+            let r = rows.len();
+            let mut logits = vec![0.0f32; r * cfg.vocab_size];
+            if r > 0 {
+                let mut normed = vec![0.0f32; r * h];
+                rms_norm(
+                    &x[rows.start * h..rows.end * h],
+                    &self.norm,
+                    cfg.rms_norm_eps,
+                    &mut normed,
+                );
+                head.forward(&normed, r, &mut logits, pm, &mut scratch);
+            }
+            out.push(logits);
+            t0 += len;
+        }
+        Ok(out)
+    }
+
+    /// Rotates each head of `x` (heads × head_dim) for position `pos`, rotate-half convention:
+    /// dimension `i` pairs with `i + head_dim/2`.
+    fn rope(&self, x: &mut [f32], pos: usize) {
+        let hd = self.cfg.head_dim;
+        let half = hd / 2;
+        for head in x.chunks_exact_mut(hd) {
+            for i in 0..half {
+                // The reference multiplies position by frequency in f32.
+                let angle = pos as f32 * self.inv_freq[i];
+                let (sin, cos) = angle.sin_cos();
+                let (a, b) = (head[i], head[i + half]);
+                head[i] = a * cos - b * sin;
+                head[i + half] = b * cos + a * sin;
+            }
+        }
+    }
+}
+
+/// One sequence as attention sees it during a pass.
+struct SeqView<'a> {
+    blocks: &'a [u32],
+    /// First position written in this pass.
+    start: usize,
+    decode: bool,
+    fault_chunk_boundary: bool,
+}
+
+/// One layer's paged keys and values.
+struct LayerKv<'a> {
+    /// (num_blocks, block_size, kv_heads, head_dim)
+    k: &'a [f32],
+    /// (num_blocks, block_size, kv_heads, head_dim)
+    v: &'a [f32],
+    block_size: usize,
+    kv_dim: usize,
+    hd: usize,
+}
+
+impl LayerKv<'_> {
+    #[inline]
+    fn offset(&self, blocks: &[u32], pos: usize, kvh: usize) -> usize {
+        let slot = blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size;
+        slot * self.kv_dim + kvh * self.hd
+    }
+}
+
+/// Attention of one query head over the first `ctx` positions of its KV head (`hide`: one
+/// position masked out by the chunk-boundary fault).
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    q: &[f32],
+    kv: &LayerKv<'_>,
+    blocks: &[u32],
+    ctx: usize,
+    hide: Option<usize>,
+    kvh: usize,
+    decode: bool,
+    toggles: &Toggles,
+    out: &mut [f32],
+) {
+    let hd = kv.hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let bf16 = toggles.attn_scores == Precision::Bf16;
+    let mut qv = q.to_vec();
+    let mut kbuf = vec![0.0f32; hd];
+    if bf16 {
+        round_bf16_slice(&mut qv);
+    }
+    // (ctx) scores
+    let mut scores: Vec<f32> = (0..ctx)
+        .map(|j| {
+            let o = kv.offset(blocks, j, kvh);
+            let kj = &kv.k[o..o + hd];
+            let d = if bf16 {
+                for (b, &v) in kbuf.iter_mut().zip(kj) {
+                    *b = round_bf16(v);
+                }
+                crate::numerics::dot(&qv, &kbuf)
+            } else {
+                crate::numerics::dot(&qv, kj)
+            };
+            d * scale
+        })
+        .collect();
+    let mut positions: Vec<usize> = (0..ctx).filter(|&j| Some(j) != hide).collect();
+    // Sparse decode attention: keep the N highest-scoring positions (ties to the earlier one).
+    if let (true, Some(nk)) = (decode, toggles.decode_topk) {
+        let nk = nk.get();
+        if positions.len() > nk {
+            positions.select_nth_unstable_by(nk - 1, |&a, &b| {
+                scores[b].total_cmp(&scores[a]).then(a.cmp(&b))
+            });
+            positions.truncate(nk);
+            positions.sort_unstable();
+        }
+    }
+    let max = positions
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &j| m.max(scores[j]));
+    let mut sum = 0.0f32;
+    for &j in &positions {
+        let p = (scores[j] - max).exp();
+        scores[j] = p;
+        sum += p;
+    }
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for &j in &positions {
+        let p = if bf16 {
+            round_bf16(scores[j])
+        } else {
+            scores[j]
+        };
+        let o = kv.offset(blocks, j, kvh);
+        let vj = &kv.v[o..o + hd];
+        if bf16 {
+            for (o, &v) in out.iter_mut().zip(vj) {
+                *o += p * round_bf16(v);
+            }
+        } else {
+            for (o, &v) in out.iter_mut().zip(vj) {
+                *o += p * v;
+            }
+        }
+    }
+    let inv = 1.0 / sum;
+    out.iter_mut().for_each(|o| *o *= inv);
+}

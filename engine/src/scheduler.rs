@@ -1,0 +1,584 @@
+//! The serving scheduler: continuous batching over one shared, paged KV pool.
+//!
+//! One thread owns every piece of scheduling state (the queue, the running sequences, the block
+//! manager and the pool); callers talk to it over a channel and receive their request's events on
+//! a stream of their own. Each step it
+//! 1. drops sequences whose stream was dropped (cancellation frees their blocks at once),
+//! 2. admits waiting requests whose blocks fit the KV budget (reusing cached prefix blocks),
+//! 3. runs one forward pass over a batch: a decode token for every decoding sequence plus prefill
+//!    chunks of prompts (`prefill_chunk` toggle), for sequences sharing one toggle set,
+//! 4. samples, streams each token, and retires finished sequences.
+//!
+//! Admission reserves blocks for the prompt plus `max_tokens` (capped by the context window), so a
+//! running sequence never runs out of memory and nothing is ever preempted. A request that can never
+//! fit is refused; a full waiting queue is refused with [`Error::Overloaded`].
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+
+use tokio::sync::mpsc as tmpsc;
+
+use crate::decoding::Decoding;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::generate::{GenerateOutput, GenerateRequest, TokenEvent};
+use crate::kv_blocks::{block_keys, BlockKey, BlockManager};
+use crate::model::{BlockTable, KvPool, Segment, WantLogits};
+use crate::toggles::Toggles;
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Bytes of KV cache (the pool is allocated once at this size).
+    pub kv_budget_bytes: usize,
+    /// Positions per KV block.
+    pub block_size: usize,
+    /// Most tokens in one forward pass (decode tokens plus prefill chunks). A prompt prefilled
+    /// whole (no `prefill_chunk`) may exceed it, one prompt per step.
+    pub max_batch_tokens: usize,
+    /// Most sequences running at once.
+    pub max_running: usize,
+    /// Most requests waiting for admission; beyond it requests are refused (429).
+    pub max_waiting: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            kv_budget_bytes: 256 << 20,
+            block_size: 16,
+            max_batch_tokens: 512,
+            max_running: 64,
+            max_waiting: 256,
+        }
+    }
+}
+
+/// What a request's stream carries.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A generated token.
+    Token(TokenEvent),
+    /// The request finished; no more events follow.
+    Done(GenerateOutput),
+    /// The request failed; no more events follow.
+    Error(String),
+}
+
+/// A request's events. Dropping it cancels the request and frees its KV blocks at the next step.
+#[derive(Debug)]
+pub struct RequestStream {
+    rx: tmpsc::UnboundedReceiver<Event>,
+}
+
+impl RequestStream {
+    /// The next event, or `None` after the last.
+    pub async fn next(&mut self) -> Option<Event> {
+        self.rx.recv().await
+    }
+
+    /// The next event, blocking the thread (not for async contexts).
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        self.rx.blocking_recv()
+    }
+}
+
+/// Live figures of the scheduler, readable from any thread.
+#[derive(Debug, Default)]
+pub struct SchedulerStats {
+    /// Sequences running.
+    pub running: AtomicUsize,
+    /// Requests waiting for admission.
+    pub waiting: AtomicUsize,
+    /// KV blocks referenced by running sequences.
+    pub kv_blocks_used: AtomicUsize,
+    /// Most KV blocks ever referenced at once.
+    pub kv_blocks_peak: AtomicUsize,
+    /// KV blocks in the pool.
+    pub kv_blocks_total: AtomicUsize,
+    /// Bytes of the KV pool.
+    pub kv_pool_bytes: AtomicUsize,
+    /// Prompt tokens served from the prefix cache.
+    pub prefix_hit_tokens: AtomicU64,
+    /// Prompt tokens that had to be prefilled.
+    pub prefill_tokens: AtomicU64,
+    /// Cached blocks evicted.
+    pub prefix_evictions: AtomicU64,
+    /// Forward passes run.
+    pub steps: AtomicU64,
+    /// Tokens generated.
+    pub generated_tokens: AtomicU64,
+}
+
+enum Msg {
+    Submit(Box<Pending>),
+    Stop,
+}
+
+struct Pending {
+    req: GenerateRequest,
+    tx: tmpsc::UnboundedSender<Event>,
+    arrival: Instant,
+}
+
+/// A handle to a running scheduler. Cloning shares it; the scheduler stops when every handle is
+/// dropped.
+#[derive(Clone)]
+pub struct EngineHandle {
+    engine: Arc<Engine>,
+    tx: mpsc::Sender<Msg>,
+    stats: Arc<SchedulerStats>,
+    max_waiting: usize,
+    _stopper: Arc<Stopper>,
+}
+
+struct Stopper {
+    tx: mpsc::Sender<Msg>,
+    thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Stopper {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Msg::Stop);
+        if let Ok(mut t) = self.thread.lock() {
+            if let Some(t) = t.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Starts a scheduler thread over `engine`.
+    pub fn start(engine: Arc<Engine>, cfg: SchedulerConfig) -> Result<Self> {
+        let block_bytes = KvPool::block_bytes(engine.config(), cfg.block_size);
+        let num_blocks = cfg.kv_budget_bytes / block_bytes.max(1);
+        if num_blocks == 0 {
+            return Err(Error::InvalidRequest(format!(
+                "KV budget of {} bytes holds no block ({} bytes each)",
+                cfg.kv_budget_bytes, block_bytes
+            )));
+        }
+        let stats = Arc::new(SchedulerStats::default());
+        stats.kv_blocks_total.store(num_blocks, Ordering::Relaxed);
+        stats
+            .kv_pool_bytes
+            .store(num_blocks * block_bytes, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel();
+        let mut core = Core {
+            pool: KvPool::new(engine.config(), cfg.block_size, num_blocks),
+            blocks: BlockManager::new(num_blocks),
+            engine: engine.clone(),
+            cfg: cfg.clone(),
+            stats: stats.clone(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            turn: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name("scheduler".into())
+            .spawn(move || core.run(rx))
+            .map_err(|e| Error::InvalidRequest(format!("cannot start the scheduler: {e}")))?;
+        Ok(EngineHandle {
+            engine,
+            tx: tx.clone(),
+            stats,
+            max_waiting: cfg.max_waiting,
+            _stopper: Arc::new(Stopper {
+                tx,
+                thread: std::sync::Mutex::new(Some(thread)),
+            }),
+        })
+    }
+
+    /// The engine (tokenizer, template, scoring).
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// Live figures.
+    pub fn stats(&self) -> &SchedulerStats {
+        &self.stats
+    }
+
+    /// Queues a request; its events arrive on the returned stream.
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream> {
+        if req.prompt.is_empty() {
+            return Err(Error::InvalidRequest("the prompt is empty".into()));
+        }
+        if req.prompt.len() >= self.engine.context_len() {
+            return Err(Error::ContextOverflow {
+                prompt_tokens: req.prompt.len(),
+                context: self.engine.context_len(),
+            });
+        }
+        let waiting = self.stats.waiting.load(Ordering::Relaxed);
+        if waiting >= self.max_waiting {
+            return Err(Error::Overloaded {
+                waiting,
+                limit: self.max_waiting,
+            });
+        }
+        let (tx, rx) = tmpsc::unbounded_channel();
+        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        let msg = Msg::Submit(Box::new(Pending {
+            req,
+            tx,
+            arrival: Instant::now(),
+        }));
+        if self.tx.send(msg).is_err() {
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(Error::SchedulerStopped);
+        }
+        Ok(RequestStream { rx })
+    }
+
+    /// Runs a request to completion on the calling thread's behalf (blocking), calling `on_token`
+    /// for each token; returning `false` cancels. The batched counterpart of [`Engine::generate`].
+    pub fn generate_blocking(
+        &self,
+        req: GenerateRequest,
+        on_token: &mut dyn FnMut(&TokenEvent) -> bool,
+    ) -> Result<GenerateOutput> {
+        let mut stream = self.submit(req)?;
+        loop {
+            match stream.blocking_next() {
+                Some(Event::Token(t)) => {
+                    if !on_token(&t) {
+                        drop(stream);
+                        return Err(Error::InvalidRequest("cancelled".into()));
+                    }
+                }
+                Some(Event::Done(out)) => return Ok(out),
+                Some(Event::Error(e)) => return Err(Error::InvalidRequest(e)),
+                None => return Err(Error::SchedulerStopped),
+            }
+        }
+    }
+}
+
+/// A sequence admitted to the pool.
+struct Seq {
+    req: GenerateRequest,
+    tx: tmpsc::UnboundedSender<Event>,
+    dec: Decoding,
+    table: BlockTable,
+    /// Every token whose KV is (or is being) cached: the prompt, then generated tokens fed back.
+    tokens: Vec<u32>,
+    /// Keys of the full blocks registered so far.
+    keys: Vec<(BlockKey, BlockKey)>,
+    kv_key: String,
+    /// The next generated token to feed (decode phase).
+    next: Option<u32>,
+}
+
+impl Seq {
+    fn prefilling(&self) -> bool {
+        self.table.len < self.req.prompt.len()
+    }
+}
+
+struct Core {
+    engine: Arc<Engine>,
+    cfg: SchedulerConfig,
+    pool: KvPool,
+    blocks: BlockManager,
+    stats: Arc<SchedulerStats>,
+    waiting: VecDeque<Pending>,
+    running: Vec<Seq>,
+    /// Round-robin position over toggle groups.
+    turn: usize,
+}
+
+impl Core {
+    fn run(&mut self, rx: mpsc::Receiver<Msg>) {
+        loop {
+            // Block when idle; otherwise take whatever has arrived.
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match rx.recv() {
+                    Ok(Msg::Submit(p)) => self.waiting.push_back(*p),
+                    Ok(Msg::Stop) | Err(_) => return,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(Msg::Submit(p)) => self.waiting.push_back(*p),
+                    Ok(Msg::Stop) => return,
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        if self.running.is_empty() && self.waiting.is_empty() {
+                            return;
+                        }
+                        break;
+                    }
+                }
+            }
+            self.reap_cancelled();
+            self.admit();
+            self.step();
+            self.publish();
+        }
+    }
+
+    fn publish(&self) {
+        let s = &self.stats;
+        s.running.store(self.running.len(), Ordering::Relaxed);
+        s.waiting.store(self.waiting.len(), Ordering::Relaxed);
+        let used = self.blocks.in_use();
+        s.kv_blocks_used.store(used, Ordering::Relaxed);
+        s.kv_blocks_peak.fetch_max(used, Ordering::Relaxed);
+        s.prefix_evictions
+            .store(self.blocks.counters.evictions, Ordering::Relaxed);
+    }
+
+    fn release(&mut self, seq: &Seq) {
+        for &b in &seq.table.blocks {
+            self.blocks.release(b);
+        }
+    }
+
+    fn reap_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].tx.is_closed() {
+                let seq = self.running.swap_remove(i);
+                self.release(&seq);
+            } else {
+                i += 1;
+            }
+        }
+        self.waiting.retain(|p| !p.tx.is_closed());
+    }
+
+    /// Admits waiting requests in arrival order while their blocks fit.
+    fn admit(&mut self) {
+        let bs = self.cfg.block_size;
+        let ctx = self.engine.context_len();
+        while self.running.len() < self.cfg.max_running {
+            let Some(p) = self.waiting.front() else { break };
+            let prompt_len = p.req.prompt.len();
+            let positions = (prompt_len + p.req.stop.max_tokens).min(ctx);
+            let need = positions.div_ceil(bs);
+            if need > self.blocks.total() {
+                let Some(p) = self.waiting.pop_front() else {
+                    break;
+                };
+                let _ = p.tx.send(Event::Error(format!(
+                    "request needs {need} KV blocks but the KV budget holds {}; lower max_tokens or raise --kv-budget",
+                    self.blocks.total()
+                )));
+                continue;
+            }
+            let toggles = p.req.toggles;
+            let kv_key = toggles.kv_key();
+            // Full blocks of the prompt, never the block holding its last token: that position
+            // must be computed to produce the first logits.
+            let keys = if toggles.prefix_cache {
+                block_keys(&p.req.prompt[..prompt_len - 1], bs, &kv_key)
+            } else {
+                Vec::new()
+            };
+            let hits = self.blocks.lookup(&keys, toggles.fault_prefix_cache_stale);
+            if self.blocks.available() < need - hits.len() {
+                for &b in &hits {
+                    self.blocks.release(b);
+                }
+                break;
+            }
+            let mut table = BlockTable {
+                blocks: hits.clone(),
+                len: hits.len() * bs,
+            };
+            for _ in hits.len()..need {
+                match self.blocks.allocate() {
+                    Some(b) => table.blocks.push(b),
+                    None => unreachable!("availability was checked"),
+                }
+            }
+            let Some(p) = self.waiting.pop_front() else {
+                break;
+            };
+            self.stats
+                .prefix_hit_tokens
+                .fetch_add(table.len as u64, Ordering::Relaxed);
+            let dec = Decoding::new(&p.req, p.arrival);
+            self.running.push(Seq {
+                tokens: p.req.prompt.clone(),
+                keys: keys[..hits.len()].to_vec(),
+                kv_key,
+                req: p.req,
+                tx: p.tx,
+                dec,
+                table,
+                next: None,
+            });
+        }
+    }
+
+    /// The toggle set to run this step: round-robin over the distinct sets among running
+    /// sequences, so no group starves.
+    fn pick_group(&mut self) -> Option<Toggles> {
+        let mut groups: Vec<Toggles> = Vec::new();
+        for s in &self.running {
+            if !groups.contains(&s.req.toggles) {
+                groups.push(s.req.toggles);
+            }
+        }
+        if groups.is_empty() {
+            return None;
+        }
+        self.turn = (self.turn + 1) % groups.len();
+        Some(groups[self.turn])
+    }
+
+    fn step(&mut self) {
+        let Some(toggles) = self.pick_group() else {
+            return;
+        };
+        let chunk_limit = toggles.prefill_chunk.map(|c| c.get());
+        let mut budget = self.cfg.max_batch_tokens;
+        // (sequence index, token range in its `tokens`, decode?)
+        let mut plan: Vec<(usize, std::ops::Range<usize>, bool)> = Vec::new();
+        for (i, s) in self.running.iter_mut().enumerate() {
+            if s.req.toggles != toggles || s.prefilling() {
+                continue;
+            }
+            if let Some(t) = s.next.take() {
+                s.tokens.push(t);
+                let at = s.tokens.len() - 1;
+                plan.push((i, at..at + 1, true));
+                budget = budget.saturating_sub(1);
+            }
+        }
+        let mut whole_prompt_taken = false;
+        for (i, s) in self.running.iter().enumerate() {
+            if s.req.toggles != toggles || !s.prefilling() {
+                continue;
+            }
+            let left = s.req.prompt.len() - s.table.len;
+            let n = match chunk_limit {
+                Some(c) => left.min(c).min(budget),
+                // Unchunked: a whole prompt per pass; more than one only while the budget allows.
+                None if !whole_prompt_taken || left <= budget => left,
+                None => 0,
+            };
+            if n == 0 {
+                continue;
+            }
+            whole_prompt_taken = true;
+            budget = budget.saturating_sub(n);
+            plan.push((i, s.table.len..s.table.len + n, false));
+        }
+        if plan.is_empty() {
+            return;
+        }
+        let run = {
+            let running = &mut self.running;
+            let mut tables: Vec<Option<&mut BlockTable>> = Vec::new();
+            let mut toks: Vec<Option<&[u32]>> = Vec::new();
+            for s in running.iter_mut() {
+                tables.push(Some(&mut s.table));
+                toks.push(Some(&s.tokens));
+            }
+            let mut segs = Vec::with_capacity(plan.len());
+            for (i, range, decode) in &plan {
+                let Some(table) = tables[*i].take() else {
+                    continue;
+                };
+                let Some(all) = toks[*i] else { continue };
+                // While prefilling, a sequence's `tokens` are exactly its prompt.
+                let ends_prompt = !*decode && range.end == all.len();
+                let start = range.start;
+                segs.push(Segment {
+                    tokens: &all[range.clone()],
+                    table,
+                    decode: *decode,
+                    want: if *decode || ends_prompt {
+                        WantLogits::Last
+                    } else {
+                        WantLogits::None
+                    },
+                    fault_chunk_boundary: toggles.fault_chunk_boundary && !*decode && start > 0,
+                });
+            }
+            let engine = &self.engine;
+            let pool = &mut self.pool;
+            engine.run_in_pool(|| engine.model().forward(pool, &mut segs, &toggles))
+        };
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        let logits = match run {
+            Ok(l) => l,
+            Err(e) => {
+                let mut failed: Vec<usize> = plan.iter().map(|p| p.0).collect();
+                failed.sort_unstable_by(|a, b| b.cmp(a));
+                for i in failed {
+                    let seq = self.running.swap_remove(i);
+                    let _ = seq.tx.send(Event::Error(e.to_string()));
+                    self.release(&seq);
+                }
+                return;
+            }
+        };
+        let ctx = self.engine.context_len();
+        let bs = self.cfg.block_size;
+        let mut finished: Vec<usize> = Vec::new();
+        for ((i, range, decode), logits) in plan.iter().zip(logits) {
+            let s = &mut self.running[*i];
+            if !decode {
+                self.stats
+                    .prefill_tokens
+                    .fetch_add(range.len() as u64, Ordering::Relaxed);
+            }
+            // Register blocks completed by this pass (decode-written blocks only when decode
+            // numerics equal prefill numerics, i.e. without the sparse decode indexer).
+            if s.req.toggles.prefix_cache && (!decode || s.req.toggles.decode_topk.is_none()) {
+                let full = s.table.len / bs;
+                if full > s.keys.len() {
+                    let new = block_keys(&s.tokens[..full * bs], bs, &s.kv_key);
+                    for (b, key) in new.iter().enumerate().skip(s.keys.len()) {
+                        self.blocks.register(s.table.blocks[b], *key);
+                    }
+                    s.keys = new;
+                }
+            }
+            if logits.is_empty() {
+                continue;
+            }
+            if !decode {
+                s.dec.prefilled();
+            }
+            let full_ctx = s.table.len + 1 >= ctx;
+            let step = s.dec.step(&logits, self.engine.tokenizer(), full_ctx);
+            match step {
+                Ok((event, done)) => {
+                    self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+                    let id = event.id;
+                    if s.tx.send(Event::Token(event)).is_err() {
+                        s.dec.cancel();
+                        finished.push(*i);
+                        continue;
+                    }
+                    if done {
+                        finished.push(*i);
+                    } else {
+                        s.next = Some(id);
+                    }
+                }
+                Err(e) => {
+                    let _ = s.tx.send(Event::Error(e.to_string()));
+                    s.dec.cancel();
+                    finished.push(*i);
+                }
+            }
+        }
+        finished.sort_unstable_by(|a, b| b.cmp(a));
+        for i in finished {
+            let seq = self.running.swap_remove(i);
+            self.release(&seq);
+            let Seq { dec, tx, .. } = seq;
+            let _ = tx.send(Event::Done(dec.finish()));
+        }
+    }
+}

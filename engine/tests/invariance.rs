@@ -1,0 +1,295 @@
+//! Invariance of the serving scheduler: a sequence's tokens and log-probabilities do not depend on
+//! prefill chunking, the prefix cache (on, off, hit, miss), what it is batched with, or the thread
+//! count. And each fault toggle breaks one of these properties, visibly.
+//!
+//! Tolerance: ≤ 1e-5 relative on every logprob (the bound). The CPU reference is built to
+//! be batch-invariant, so in practice the results are bit-identical.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use tapedeck_engine::engine::EngineOptions;
+use tapedeck_engine::scheduler::{EngineHandle, Event, SchedulerConfig};
+use tapedeck_engine::{
+    Engine, GenerateOutput, GenerateRequest, SamplingParams, StopCriteria, Toggles,
+};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures/models")
+        .join(name)
+}
+
+fn engine(threads: usize) -> Arc<Engine> {
+    Arc::new(
+        Engine::load_with(
+            &fixture("tiny-qwen2"),
+            &EngineOptions {
+                threads: Some(threads),
+            },
+        )
+        .unwrap(),
+    )
+}
+
+fn rng() -> rand_chacha::ChaCha8Rng {
+    let seed: u64 = rand::random();
+    println!("seed {seed}");
+    rand_chacha::ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn prompt(e: &Engine, n: usize, r: &mut impl Rng) -> Vec<u32> {
+    let v = e.tokenizer().vocab_size() as u32;
+    (0..n).map(|_| r.random_range(0..v)).collect()
+}
+
+fn request(prompt: Vec<u32>, toggles: &str) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        sampling: SamplingParams::default(),
+        stop: StopCriteria {
+            max_tokens: 6,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        top_k_summary: 4,
+        toggles: toggles.parse().unwrap(),
+    }
+}
+
+fn handle(e: Arc<Engine>) -> EngineHandle {
+    EngineHandle::start(
+        e,
+        SchedulerConfig {
+            kv_budget_bytes: 64 << 20,
+            max_batch_tokens: 256,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+/// Collects a stream to its final output.
+fn collect(mut s: tapedeck_engine::scheduler::RequestStream) -> GenerateOutput {
+    loop {
+        match s.blocking_next() {
+            Some(Event::Token(_)) => {}
+            Some(Event::Done(o)) => return o,
+            Some(Event::Error(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended without output"),
+        }
+    }
+}
+
+/// Whether two runs agree: same tokens, logprobs within 1e-5 relative.
+fn same(a: &GenerateOutput, b: &GenerateOutput) -> Result<(), String> {
+    if a.tokens != b.tokens {
+        return Err(format!("tokens differ: {:?} vs {:?}", a.tokens, b.tokens));
+    }
+    for (i, (x, y)) in a.summaries.iter().zip(&b.summaries).enumerate() {
+        let d = (x.logprob - y.logprob).abs();
+        if d > 1e-5 * x.logprob.abs().max(1.0) {
+            return Err(format!(
+                "logprob {i}: {} vs {} (|Δ| {d:e})",
+                x.logprob, y.logprob
+            ));
+        }
+        for ((_, p), (_, q)) in x.top.iter().zip(&y.top) {
+            if (p - q).abs() > 1e-5 * p.abs().max(1.0) {
+                return Err(format!("top logprob at {i}: {p} vs {q}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn reference(e: &Engine, req: &GenerateRequest) -> GenerateOutput {
+    let mut r = req.clone();
+    r.toggles = Toggles::default();
+    r.toggles.prefix_cache = false;
+    e.generate(&r, &mut |_| true).unwrap()
+}
+
+#[test]
+fn chunk_size_changes_nothing() {
+    let e = engine(2);
+    let h = handle(e.clone());
+    let mut r = rng();
+    for _ in 0..3 {
+        let n = r.random_range(20..150);
+        let p = prompt(&e, n, &mut r);
+        let want = reference(&e, &request(p.clone(), ""));
+        for chunk in ["1", "7", "64", "off"] {
+            let req = request(
+                p.clone(),
+                &format!("prefill_chunk={chunk},prefix_cache=off"),
+            );
+            let got = collect(h.submit(req).unwrap());
+            same(&want, &got).unwrap_or_else(|m| panic!("prefill_chunk={chunk}, {n} tokens: {m}"));
+        }
+    }
+}
+
+#[test]
+fn prefix_cache_hit_and_miss_change_nothing() {
+    let e = engine(2);
+    let h = handle(e.clone());
+    let mut r = rng();
+    let p = prompt(&e, r.random_range(70..140), &mut r);
+    let want = reference(&e, &request(p.clone(), ""));
+    let first = collect(h.submit(request(p.clone(), "prefix_cache=on")).unwrap());
+    let hits_before = h
+        .stats()
+        .prefix_hit_tokens
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let second = collect(h.submit(request(p.clone(), "prefix_cache=on")).unwrap());
+    let hits_after = h
+        .stats()
+        .prefix_hit_tokens
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        hits_after - hits_before >= 64,
+        "second request must hit the cache"
+    );
+    same(&want, &first).unwrap();
+    same(&want, &second).unwrap();
+    // A multi-turn continuation: the old prompt plus the answer plus new tokens hits the cache
+    // for the shared prefix, and still equals a cold run.
+    let mut longer = p.clone();
+    longer.extend(&second.tokens);
+    longer.extend(prompt(&e, 30, &mut r));
+    let want2 = reference(&e, &request(longer.clone(), ""));
+    let got2 = collect(
+        h.submit(request(longer, "prefix_cache=on,prefill_chunk=7"))
+            .unwrap(),
+    );
+    same(&want2, &got2).unwrap();
+}
+
+#[test]
+fn batching_with_other_sequences_changes_nothing() {
+    let e = engine(2);
+    let h = handle(e.clone());
+    let mut r = rng();
+    for _ in 0..2 {
+        let p = prompt(&e, r.random_range(10..90), &mut r);
+        let want = reference(&e, &request(p.clone(), ""));
+        let others = r.random_range(1..=15);
+        let mut streams = Vec::new();
+        for _ in 0..others {
+            let q = prompt(&e, r.random_range(5..80), &mut r);
+            streams.push(h.submit(request(q, "prefill_chunk=16")).unwrap());
+        }
+        let mine = h.submit(request(p, "prefill_chunk=16")).unwrap();
+        for s in streams {
+            collect(s);
+        }
+        let got = collect(mine);
+        same(&want, &got).unwrap_or_else(|m| panic!("batched with {others}: {m}"));
+    }
+}
+
+#[test]
+fn thread_count_changes_nothing() {
+    let e1 = engine(1);
+    let e2 = engine(2);
+    let mut r = rng();
+    let p = prompt(&e1, 120, &mut r);
+    let a = reference(&e1, &request(p.clone(), ""));
+    let b = reference(&e2, &request(p, ""));
+    same(&a, &b).unwrap();
+}
+
+#[test]
+fn fault_prefix_cache_stale_is_caught() {
+    let e = engine(2);
+    let h = handle(e.clone());
+    let mut r = rng();
+    let p1 = prompt(&e, 100, &mut r);
+    // p2 differs from p1 only in the last token of the first block: an exact lookup misses,
+    // the stale lookup reuses p1's blocks.
+    let mut p2 = p1.clone();
+    p2[15] = (p1[15] + 1) % e.tokenizer().vocab_size() as u32;
+    let want = reference(&e, &request(p2.clone(), ""));
+    let t = "fault.prefix_cache=stale";
+    collect(h.submit(request(p1.clone(), t)).unwrap());
+    let got = collect(h.submit(request(p2.clone(), t)).unwrap());
+    assert!(
+        same(&want, &got).is_err(),
+        "a stale prefix hit must change the output"
+    );
+    // Without the fault the same sequence of requests is exact.
+    collect(h.submit(request(p1, "")).unwrap());
+    let clean = collect(h.submit(request(p2, "")).unwrap());
+    same(&want, &clean).unwrap();
+}
+
+#[test]
+fn fault_chunk_boundary_is_caught() {
+    let e = engine(2);
+    let h = handle(e.clone());
+    let mut r = rng();
+    let p = prompt(&e, 90, &mut r);
+    let want = reference(&e, &request(p.clone(), ""));
+    let got = collect(
+        h.submit(request(
+            p.clone(),
+            "prefill_chunk=7,fault.chunk=boundary,prefix_cache=off",
+        ))
+        .unwrap(),
+    );
+    assert!(
+        same(&want, &got).is_err(),
+        "an off-by-one mask at chunk boundaries must be caught"
+    );
+    // Unchunked, the fault has no boundary to act on.
+    let whole = collect(
+        h.submit(request(p, "fault.chunk=boundary,prefix_cache=off"))
+            .unwrap(),
+    );
+    same(&want, &whole).unwrap();
+}
+
+#[test]
+fn dropping_the_stream_frees_blocks_and_oversized_requests_are_refused() {
+    let e = engine(2);
+    let h = EngineHandle::start(
+        e.clone(),
+        SchedulerConfig {
+            kv_budget_bytes: 8 << 20,
+            max_waiting: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut r = rng();
+    let mut req = request(prompt(&e, 40, &mut r), "prefix_cache=off");
+    req.stop.max_tokens = 500;
+    let mut s = h.submit(req).unwrap();
+    // Wait for the first token, then hang up.
+    loop {
+        if let Some(Event::Token(_)) = s.blocking_next() {
+            break;
+        }
+    }
+    drop(s);
+    let mut waited = 0;
+    while h
+        .stats()
+        .kv_blocks_used
+        .load(std::sync::atomic::Ordering::Relaxed)
+        > 0
+    {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        waited += 1;
+        assert!(waited < 500, "blocks of a cancelled request were not freed");
+    }
+    // A request that can never fit the KV budget is refused with a clear error.
+    let mut huge = request(prompt(&e, 40, &mut r), "");
+    huge.stop.max_tokens = 100_000;
+    match h.submit(huge).unwrap().blocking_next() {
+        Some(Event::Error(m)) => assert!(m.contains("KV"), "{m}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+}

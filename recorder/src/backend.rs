@@ -1,0 +1,350 @@
+//! What the server generates with: a [`Backend`] trait, implemented by [`EngineBackend`] (the
+//! in-process engine). An upstream OpenAI-compatible server will be a second implementation.
+//!
+//! The engine's `generate` is synchronous, CPU-heavy and reports tokens through a callback.
+//! [`EngineBackend`] turns that into an async stream: a semaphore admits one generation at a time
+//! (a batching scheduler will replace it), the work runs on `spawn_blocking`, and the callback
+//! forwards each token into a channel. Dropping or cancelling the [`Generation`] makes the callback
+//! return `false`, which stops the engine at the next token: a client that hangs up does not keep
+//! the model busy.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use tapedeck_engine::chat::{EncodeOptions, Encoding, ParsedOutput, ToolCallFormat};
+use tapedeck_engine::{
+    ChatMessage, Engine, GenerateOutput, GenerateRequest, LogitsSummary, Toggles, TokenEvent,
+};
+use tokio::sync::{mpsc, Semaphore};
+
+/// Static facts about a backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendInfo {
+    /// The model name served.
+    pub model_id: String,
+    /// Context window in tokens.
+    pub context_len: usize,
+    /// Vocabulary size (token IDs must be below it).
+    pub vocab_size: usize,
+    /// Backend name recorded in `builds.backend`.
+    pub backend: String,
+    /// Device recorded in `builds.device`.
+    pub device: String,
+    /// How the model writes tool calls.
+    pub tool_call_format: ToolCallFormat,
+}
+
+/// Why a backend refused or failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BackendError {
+    /// Too many requests are waiting; try again later.
+    #[error("server overloaded: {queued} requests waiting")]
+    Overloaded {
+        /// Requests waiting when this one was refused.
+        queued: usize,
+        /// A suggested wait.
+        retry_after: Duration,
+    },
+    /// The request cannot be served as given.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The prompt does not fit the context window.
+    #[error("prompt of {prompt_tokens} tokens exceeds the context window of {context} tokens")]
+    ContextOverflow {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// The context window.
+        context: usize,
+    },
+    /// The generation was cancelled before it started.
+    #[error("cancelled")]
+    Cancelled,
+    /// Something failed inside the backend (details are for the log, not the client).
+    #[error("internal backend error: {0}")]
+    Internal(String),
+}
+
+impl From<tapedeck_engine::Error> for BackendError {
+    fn from(e: tapedeck_engine::Error) -> Self {
+        use tapedeck_engine::Error as E;
+        match e {
+            E::ContextOverflow {
+                prompt_tokens,
+                context,
+            } => BackendError::ContextOverflow {
+                prompt_tokens,
+                context,
+            },
+            // A template that raises (roles must alternate, ...) or an untokenizable request is the
+            // client's to fix.
+            E::InvalidRequest(m) | E::Template(m) => BackendError::InvalidRequest(m),
+            E::Toggle { name, message } => {
+                BackendError::InvalidRequest(format!("toggle {name}: {message}"))
+            }
+            other => BackendError::Internal(other.to_string()),
+        }
+    }
+}
+
+/// One event of a generation.
+#[derive(Debug, Clone)]
+pub enum GenEvent {
+    /// A generated token.
+    Token(TokenEvent),
+    /// Generation finished (the last event).
+    Done(GenerateOutput),
+    /// Generation failed (the last event).
+    Error(BackendError),
+}
+
+/// A running generation: a stream of [`GenEvent`]s ending with `Done` or `Error`.
+///
+/// Dropping it cancels the generation.
+#[derive(Debug)]
+pub struct Generation {
+    rx: mpsc::UnboundedReceiver<GenEvent>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Generation {
+    /// A generation fed by the given channel; setting `cancel` asks the producer to stop.
+    pub fn new(rx: mpsc::UnboundedReceiver<GenEvent>, cancel: Arc<AtomicBool>) -> Self {
+        Generation { rx, cancel }
+    }
+
+    /// The next event; `None` after the last one (or if the producer vanished).
+    pub async fn next(&mut self) -> Option<GenEvent> {
+        self.rx.recv().await
+    }
+
+    /// Asks the backend to stop; a `Done` with `FinishReason::Cancelled` follows.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+/// How busy a backend is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Requests generating or scoring now.
+    pub running: usize,
+    /// Requests admitted and waiting for their turn.
+    pub queued: usize,
+}
+
+/// A model server the HTTP layer can drive.
+pub trait Backend: Send + Sync + 'static {
+    /// Static facts.
+    fn info(&self) -> &BackendInfo;
+
+    /// Renders and tokenizes a chat with the model's template (CPU work: call it off the async
+    /// threads for long prompts).
+    fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        opts: &EncodeOptions,
+    ) -> Result<Encoding, BackendError>;
+
+    /// Tokenizes plain text (no special tokens added).
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, BackendError>;
+
+    /// Decodes token IDs to text.
+    fn detokenize(&self, ids: &[u32]) -> Result<String, BackendError>;
+
+    /// Splits generated text into content, reasoning and tool calls.
+    fn parse_output(&self, text: &str) -> ParsedOutput;
+
+    /// Starts a generation; refuses at once with `Overloaded` when too many are waiting.
+    fn generate(&self, req: GenerateRequest) -> Result<Generation, BackendError>;
+
+    /// Teacher forcing: summaries of positions `from..tokens.len()`.
+    fn score(
+        &self,
+        tokens: Vec<u32>,
+        from: usize,
+        top_k: usize,
+        toggles: Toggles,
+    ) -> BoxFuture<'static, Result<Vec<LogitsSummary>, BackendError>>;
+
+    /// Running and waiting requests now.
+    fn load(&self) -> Load;
+}
+
+/// The in-process engine behind a one-at-a-time semaphore.
+pub struct EngineBackend {
+    engine: Arc<Engine>,
+    info: BackendInfo,
+    permits: Arc<Semaphore>,
+    max_queued: usize,
+    counts: Arc<Counts>,
+}
+
+#[derive(Default)]
+struct Counts {
+    running: AtomicUsize,
+    queued: AtomicUsize,
+}
+
+/// Decrements a counter when dropped, so a panic or an early return cannot leak a count.
+struct CountGuard(Arc<Counts>, fn(&Counts) -> &AtomicUsize);
+
+impl CountGuard {
+    fn new(c: &Arc<Counts>, which: fn(&Counts) -> &AtomicUsize) -> Self {
+        which(c).fetch_add(1, Ordering::Relaxed);
+        CountGuard(c.clone(), which)
+    }
+}
+
+impl Drop for CountGuard {
+    fn drop(&mut self) {
+        (self.1)(&self.0).fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl EngineBackend {
+    /// Wraps a loaded engine. At most `max_queued` requests wait for the engine; more are refused
+    /// with [`BackendError::Overloaded`] (HTTP 429).
+    pub fn new(engine: Arc<Engine>, max_queued: usize) -> Self {
+        let info = BackendInfo {
+            model_id: engine.model_id(),
+            context_len: engine.context_len(),
+            vocab_size: engine.tokenizer().vocab_size(),
+            backend: "cpu".into(),
+            device: "cpu".into(),
+            tool_call_format: engine.template().tool_call_format(),
+        };
+        EngineBackend {
+            engine,
+            info,
+            permits: Arc::new(Semaphore::new(1)),
+            max_queued,
+            counts: Arc::default(),
+        }
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    fn admit(&self) -> Result<CountGuard, BackendError> {
+        let queued = self.counts.queued.load(Ordering::Relaxed);
+        if queued >= self.max_queued {
+            return Err(BackendError::Overloaded {
+                queued,
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        Ok(CountGuard::new(&self.counts, |c| &c.queued))
+    }
+}
+
+impl Backend for EngineBackend {
+    fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+
+    fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        opts: &EncodeOptions,
+    ) -> Result<Encoding, BackendError> {
+        Ok(self.engine.encode_chat(messages, tools, opts)?)
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, BackendError> {
+        Ok(self.engine.tokenizer().encode(text)?)
+    }
+
+    fn detokenize(&self, ids: &[u32]) -> Result<String, BackendError> {
+        Ok(self.engine.tokenizer().decode(ids)?)
+    }
+
+    fn parse_output(&self, text: &str) -> ParsedOutput {
+        self.engine.template().parse_output(text)
+    }
+
+    fn generate(&self, req: GenerateRequest) -> Result<Generation, BackendError> {
+        let waiting = self.admit()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let engine = self.engine.clone();
+        let permits = self.permits.clone();
+        let counts = self.counts.clone();
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            let Ok(_permit) = permits.acquire_owned().await else {
+                let _ = tx.send(GenEvent::Error(BackendError::Internal(
+                    "engine semaphore closed".into(),
+                )));
+                return;
+            };
+            drop(waiting);
+            if stop.load(Ordering::Relaxed) {
+                let _ = tx.send(GenEvent::Error(BackendError::Cancelled));
+                return;
+            }
+            let _running = CountGuard::new(&counts, |c| &c.running);
+            let token_tx = tx.clone();
+            let result = tokio::task::spawn_blocking(move || {
+                engine.generate(&req, &mut |ev: &TokenEvent| {
+                    !stop.load(Ordering::Relaxed)
+                        && token_tx.send(GenEvent::Token(ev.clone())).is_ok()
+                })
+            })
+            .await;
+            let last = match result {
+                Ok(Ok(out)) => GenEvent::Done(out),
+                Ok(Err(e)) => GenEvent::Error(e.into()),
+                Err(join) => GenEvent::Error(BackendError::Internal(format!(
+                    "generation task failed: {join}"
+                ))),
+            };
+            let _ = tx.send(last);
+        });
+        Ok(Generation::new(rx, cancel))
+    }
+
+    fn score(
+        &self,
+        tokens: Vec<u32>,
+        from: usize,
+        top_k: usize,
+        toggles: Toggles,
+    ) -> BoxFuture<'static, Result<Vec<LogitsSummary>, BackendError>> {
+        let admitted = self.admit();
+        let engine = self.engine.clone();
+        let permits = self.permits.clone();
+        let counts = self.counts.clone();
+        Box::pin(async move {
+            let waiting = admitted?;
+            let _permit = permits
+                .acquire_owned()
+                .await
+                .map_err(|_| BackendError::Internal("engine semaphore closed".into()))?;
+            drop(waiting);
+            let _running = CountGuard::new(&counts, |c| &c.running);
+            tokio::task::spawn_blocking(move || engine.score(&tokens, from, top_k, &toggles))
+                .await
+                .map_err(|e| BackendError::Internal(format!("scoring task failed: {e}")))?
+                .map_err(BackendError::from)
+        })
+    }
+
+    fn load(&self) -> Load {
+        Load {
+            running: self.counts.running.load(Ordering::Relaxed),
+            queued: self.counts.queued.load(Ordering::Relaxed),
+        }
+    }
+}
