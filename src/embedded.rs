@@ -81,7 +81,8 @@ pub fn write_to(name: &str, out: &Path) -> Result<()> {
     Ok(())
 }
 
-fn cache_root() -> PathBuf {
+/// Where tapedeck keeps generated files (`$XDG_CACHE_HOME/tapedeck`, else `~/.cache/tapedeck`).
+pub fn cache_root() -> PathBuf {
     if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
         return PathBuf::from(x).join("tapedeck");
     }

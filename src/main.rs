@@ -3,6 +3,7 @@
 //! A thin binary: each subcommand parses its arguments and calls one library function; errors
 //! become a message and a non-zero exit code.
 
+mod cli_bench;
 mod cli_generate;
 mod embedded;
 
@@ -25,6 +26,9 @@ enum Command {
     Generate(cli_generate::GenerateArgs),
     /// List the engine's toggles: names, allowed values, defaults.
     Toggles,
+    /// Benchmarks that print figures.
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// Write an embedded fixture model to a directory (or print where it is cached).
     Fixture {
         /// Embedded model name (`tiny-qwen2` or `tiny-llama`).
@@ -34,6 +38,12 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Engine speed: prefill, decode, batched throughput, prefix cache, memory.
+    Engine(cli_bench::BenchArgs),
 }
 
 fn main() {
@@ -54,6 +64,7 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(args) => cli_generate::run(args),
+        Command::Bench(BenchCommand::Engine(args)) => cli_bench::run(args),
         Command::Toggles => {
             print_toggles();
             Ok(())

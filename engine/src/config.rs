@@ -211,7 +211,7 @@ impl Config {
         let head_dim = match raw.head_dim {
             Some(d) => d,
             None => {
-                if raw.hidden_size % raw.num_attention_heads != 0 {
+                if !raw.hidden_size.is_multiple_of(raw.num_attention_heads) {
                     return Err(Error::InvalidConfig(format!(
                         "hidden_size {} is not divisible by num_attention_heads {}",
                         raw.hidden_size, raw.num_attention_heads
@@ -220,13 +220,13 @@ impl Config {
                 raw.hidden_size / raw.num_attention_heads
             }
         };
-        if raw.num_attention_heads % num_kv_heads != 0 {
+        if !raw.num_attention_heads.is_multiple_of(num_kv_heads) {
             return Err(Error::InvalidConfig(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {num_kv_heads}",
                 raw.num_attention_heads
             )));
         }
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(Error::InvalidConfig(format!("head_dim {head_dim} is odd")));
         }
         let sliding_window = match (&raw.sliding_window, raw.use_sliding_window) {
@@ -262,37 +262,40 @@ impl Config {
 
     /// Rotary inverse frequencies, one per pair of head dimensions, with scaling applied.
     ///
-    /// Computed as transformers does (`1 / base^(2i/d)` then the scaling rule) and rounded to f32,
-    /// since the reference multiplies positions by these in f32.
+    /// Computed in f32 with exactly transformers' operations and order (`1 / base^(2i/d)`, then
+    /// the scaling rule). An inverse frequency one ulp off shifts the rotary angle at position
+    /// 1500 by ~1e-4 rad, which alone moves log-probabilities past the golden tests' 1e-4 bound.
     pub fn inv_freq(&self) -> Vec<f32> {
-        let d = self.head_dim as f64;
+        let d = self.head_dim as f32;
+        let base = self.rope_theta as f32;
         (0..self.head_dim / 2)
             .map(|i| {
-                let f = 1.0 / self.rope_theta.powf((2 * i) as f64 / d);
-                let f = match self.rope_scaling {
+                let f = 1.0f32 / base.powf((2 * i) as f32 / d);
+                match self.rope_scaling {
                     RopeScaling::None => f,
-                    RopeScaling::Linear { factor } => f / factor,
+                    RopeScaling::Linear { factor } => f / factor as f32,
                     RopeScaling::Llama3 {
                         factor,
                         low_freq_factor,
                         high_freq_factor,
                         original_max_position_embeddings: orig,
                     } => {
-                        let low_wavelen = orig / low_freq_factor;
-                        let high_wavelen = orig / high_freq_factor;
-                        let wavelen = 2.0 * std::f64::consts::PI / f;
-                        if wavelen < high_wavelen {
-                            f
-                        } else if wavelen > low_wavelen {
-                            f / factor
+                        let (factor, low, high, orig) =
+                            (factor as f32, low_freq_factor, high_freq_factor, orig);
+                        let low_wavelen = (orig / low) as f32;
+                        let high_wavelen = (orig / high) as f32;
+                        let wavelen = (2.0 * std::f64::consts::PI) as f32 / f;
+                        let scaled = if wavelen > low_wavelen { f / factor } else { f };
+                        // transformers: `~(wavelen < high) * ~(wavelen > low)`; wavelengths are finite.
+                        let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
+                        if medium {
+                            let smooth = (orig as f32 / wavelen - low as f32) / (high as f32 - low as f32);
+                            (1.0 - smooth) * scaled / factor + smooth * scaled
                         } else {
-                            let smooth = (orig / wavelen - low_freq_factor)
-                                / (high_freq_factor - low_freq_factor);
-                            (1.0 - smooth) * f / factor + smooth * f
+                            scaled
                         }
                     }
-                };
-                f as f32
+                }
             })
             .collect()
     }

@@ -363,18 +363,18 @@ impl FixtureSpec {
         {
             return bad("sizes, layers and heads must be positive".into());
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "num_heads {} is not a multiple of num_kv_heads {}",
                 self.num_heads, self.num_kv_heads
             ));
         }
         match self.head_dim {
-            Some(d) if d == 0 || d % 2 != 0 => {
+            Some(d) if d == 0 || !d.is_multiple_of(2) => {
                 return bad(format!("head_dim {d} must be positive and even for RoPE"))
             }
-            None if self.hidden_size % self.num_heads != 0
-                || (self.hidden_size / self.num_heads) % 2 != 0 =>
+            None if !self.hidden_size.is_multiple_of(self.num_heads)
+                || !(self.hidden_size / self.num_heads).is_multiple_of(2) =>
             {
                 return bad(format!(
                     "hidden_size {} does not split into {} even-width heads; set head_dim",

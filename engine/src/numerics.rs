@@ -65,79 +65,160 @@ pub fn fake_quant_fp8_e4m3(xs: &mut [f32]) {
     }
 }
 
-/// The dot product in the engine's fixed order: eight lanes, then a pairwise sum of the lanes,
-/// then the tail.
+/// The dot product in the engine's fixed order: sixteen lanes (two groups of eight) over 16-wide
+/// chunks, one more 8-wide chunk into the first group if 8 or more elements remain, the two
+/// groups added lane by lane, the eight lanes summed pairwise, then the tail one by one. The
+/// AVX2 kernels below compute exactly this order; so does this portable version.
 #[inline(always)]
 fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0.0f32; 8];
-    let mut ca = a.chunks_exact(8);
-    let mut cb = b.chunks_exact(8);
-    for (x, y) in (&mut ca).zip(&mut cb) {
+    let fma = |x: f32, y: f32, acc: f32| if FMA { x.mul_add(y, acc) } else { acc + x * y };
+    let mut acc0 = [0.0f32; 8];
+    let mut acc1 = [0.0f32; 8];
+    let mut i = 0;
+    while i + 16 <= n {
         for l in 0..8 {
-            acc[l] = if FMA {
-                x[l].mul_add(y[l], acc[l])
-            } else {
-                acc[l] + x[l] * y[l]
-            };
+            acc0[l] = fma(a[i + l], b[i + l], acc0[l]);
+            acc1[l] = fma(a[i + 8 + l], b[i + 8 + l], acc1[l]);
         }
+        i += 16;
+    }
+    if i + 8 <= n {
+        for l in 0..8 {
+            acc0[l] = fma(a[i + l], b[i + l], acc0[l]);
+        }
+        i += 8;
+    }
+    let mut acc = [0.0f32; 8];
+    for l in 0..8 {
+        acc[l] = acc0[l] + acc1[l];
     }
     let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        s = if FMA { x.mul_add(*y, s) } else { s + x * y };
+    while i < n {
+        s = fma(a[i], b[i], s);
+        i += 1;
     }
     s
 }
 
-/// Four dot products of four rows of `x` with one row `w`, each in exactly the order of
-/// [`dot_body`] (so a row's result does not depend on being computed in a group of four).
+/// Four dot products of four rows of `x` with one row `w`, each in exactly [`dot_body`]'s order.
 #[inline(always)]
 fn dot4_body<const FMA: bool>(x: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
-    let n = w.len();
-    let mut acc = [[0.0f32; 8]; 4];
-    let full = n / 8 * 8;
-    let mut i = 0;
-    while i < full {
-        let wv = &w[i..i + 8];
-        for r in 0..4 {
-            let xv = &x[r][i..i + 8];
-            for l in 0..8 {
-                acc[r][l] = if FMA {
-                    xv[l].mul_add(wv[l], acc[r][l])
-                } else {
-                    acc[r][l] + xv[l] * wv[l]
-                };
+    [
+        dot_body::<FMA>(x[0], w),
+        dot_body::<FMA>(x[1], w),
+        dot_body::<FMA>(x[2], w),
+        dot_body::<FMA>(x[3], w),
+    ]
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// Pairwise sum of the eight lanes: ((0+4)+(1+5)) + ((2+6)+(3+7)).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps::<1>(v);
+        let s = _mm_add_ps(lo, hi); // (0+4, 1+5, 2+6, 3+7)
+        let mut l = [0.0f32; 4];
+        // SAFETY: `l` holds four f32.
+        unsafe { _mm_storeu_ps(l.as_mut_ptr(), s) };
+        (l[0] + l[1]) + (l[2] + l[3])
+    }
+
+    /// [`super::dot_body`]'s order with AVX2 FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc0 = _mm256_setzero_ps();
+        let mut acc1 = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n, so both 8-wide loads are in bounds.
+            unsafe {
+                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+                acc1 = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(i + 8)),
+                    _mm256_loadu_ps(pb.add(i + 8)),
+                    acc1,
+                );
             }
+            i += 16;
         }
-        i += 8;
-    }
-    let mut out = [0.0f32; 4];
-    for r in 0..4 {
-        let a = &acc[r];
-        let mut s = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-        for j in full..n {
-            s = if FMA {
-                x[r][j].mul_add(w[j], s)
-            } else {
-                s + x[r][j] * w[j]
-            };
+        if i + 8 <= n {
+            // SAFETY: i + 8 <= n.
+            unsafe {
+                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+            }
+            i += 8;
         }
-        out[r] = s;
+        let mut s = hsum(_mm256_add_ps(acc0, acc1));
+        while i < n {
+            s = a[i].mul_add(b[i], s);
+            i += 1;
+        }
+        s
     }
-    out
+
+    /// Four rows against one weight row, each in [`dot`]'s order; the weight row is loaded once.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4(x: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
+        let n = w.len();
+        debug_assert!(x.iter().all(|r| r.len() >= n));
+        let pw = w.as_ptr();
+        let px = [x[0].as_ptr(), x[1].as_ptr(), x[2].as_ptr(), x[3].as_ptr()];
+        let mut a0 = [_mm256_setzero_ps(); 4];
+        let mut a1 = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n <= every row's length.
+            unsafe {
+                let w0 = _mm256_loadu_ps(pw.add(i));
+                let w1 = _mm256_loadu_ps(pw.add(i + 8));
+                for r in 0..4 {
+                    a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(px[r].add(i)), w0, a0[r]);
+                    a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(px[r].add(i + 8)), w1, a1[r]);
+                }
+            }
+            i += 16;
+        }
+        if i + 8 <= n {
+            // SAFETY: i + 8 <= n.
+            unsafe {
+                let w0 = _mm256_loadu_ps(pw.add(i));
+                for r in 0..4 {
+                    a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(px[r].add(i)), w0, a0[r]);
+                }
+            }
+            i += 8;
+        }
+        let mut out = [0.0f32; 4];
+        for r in 0..4 {
+            let mut s = hsum(_mm256_add_ps(a0[r], a1[r]));
+            for j in i..n {
+                s = x[r][j].mul_add(w[j], s);
+            }
+            out[r] = s;
+        }
+        out
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
 unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    dot_body::<true>(a, b)
+    // SAFETY: the caller checked AVX2 and FMA support.
+    unsafe { avx2::dot(a, b) }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
 unsafe fn dot4_avx2(x: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
-    dot4_body::<true>(x, w)
+    // SAFETY: the caller checked AVX2 and FMA support.
+    unsafe { avx2::dot4(x, w) }
 }
 
 fn has_avx2_fma() -> bool {
@@ -294,6 +375,25 @@ mod tests {
                 let mut single = vec![f32::NAN; m];
                 matmul_t(&x[i * k..(i + 1) * k], &w, Some(&b), 1, k, m, &mut single);
                 assert_eq!(&single[..], &out[i * m..(i + 1) * m]);
+            }
+        }
+    }
+
+    #[test]
+    fn simd_kernels_compute_the_portable_order_exactly() {
+        let mut r = rng();
+        for n in [1, 7, 8, 15, 16, 17, 24, 31, 64, 100, 768] {
+            let a: Vec<f32> = (0..n).map(|_| r.random_range(-1.0..1.0)).collect();
+            let rows: Vec<Vec<f32>> = (0..4)
+                .map(|_| (0..n).map(|_| r.random_range(-1.0..1.0)).collect())
+                .collect();
+            let want_fma = dot_body::<true>(&a, &rows[0]);
+            let want_plain = dot_body::<false>(&a, &rows[0]);
+            let got = dot(&a, &rows[0]);
+            assert!(got == want_fma || got == want_plain, "n={n}");
+            let four = dot4([&rows[0], &rows[1], &rows[2], &rows[3]], &a);
+            for (i, row) in rows.iter().enumerate() {
+                assert_eq!(four[i], dot(row, &a), "n={n} row {i}");
             }
         }
     }

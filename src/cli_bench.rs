@@ -1,0 +1,262 @@
+//! `tapedeck bench engine`: prefill and decode speed of the CPU engine, batched throughput and
+//! inter-token latency of the scheduler at several concurrencies, the prefix cache on a growing
+//! multi-turn session, and peak memory. Prints tables; figures go to `docs/benchmarks.md`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use hdrhistogram::Histogram;
+use rand::{Rng, SeedableRng};
+use tapedeck_engine::engine::EngineOptions;
+use tapedeck_engine::fixture::{self, FixtureSpec};
+use tapedeck_engine::scheduler::{EngineHandle, Event, SchedulerConfig};
+use tapedeck_engine::{Engine, GenerateRequest, SamplingParams, StopCriteria, Toggles};
+
+use crate::embedded;
+
+/// Arguments of `tapedeck bench engine`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Models: directories, embedded names, or `llama-120m` (a ~120M-parameter Llama-shaped random
+    /// model, generated into the cache on first use). Repeatable.
+    #[arg(long = "model", default_values_t = vec!["tiny-qwen2".to_string(), "llama-120m".to_string()])]
+    pub models: Vec<String>,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 256)]
+    pub prompt_len: usize,
+    /// Tokens decoded for the decode measurement.
+    #[arg(long, default_value_t = 32)]
+    pub gen: usize,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Concurrency levels for the batched measurement (empty: skip).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 4, 16, 64])]
+    pub concurrency: Vec<usize>,
+    /// Turns of the multi-turn prefix-cache measurement (0: skip).
+    #[arg(long, default_value_t = 10)]
+    pub turns: usize,
+    /// KV budget for the scheduler, MiB.
+    #[arg(long, default_value_t = 512)]
+    pub kv_budget_mib: usize,
+    /// A toggle for every measurement, `name=value`; repeatable.
+    #[arg(long = "toggle")]
+    pub toggles: Vec<String>,
+}
+
+fn model_dir(spec: &str) -> Result<PathBuf> {
+    if spec == "llama-120m" {
+        let dir = embedded::cache_root().join("bench").join("llama-120m");
+        if !dir.join("config.json").exists() {
+            eprintln!("generating the llama-120m benchmark model into {} ...", dir.display());
+            fixture::build(&FixtureSpec::llama_120m(), &dir)
+                .with_context(|| format!("building llama-120m into {}", dir.display()))?;
+        }
+        return Ok(dir);
+    }
+    embedded::resolve(spec)
+}
+
+/// Peak resident memory of this process, from `/proc/self/status` (Linux), in MiB.
+pub fn peak_rss_mib() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn random_prompt(vocab: usize, n: usize, rng: &mut impl Rng) -> Vec<u32> {
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+fn request(prompt: Vec<u32>, gen: usize, toggles: Toggles) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        sampling: SamplingParams::default(),
+        stop: StopCriteria {
+            max_tokens: gen,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        top_k_summary: 8,
+        toggles,
+    }
+}
+
+/// Runs `tapedeck bench engine`.
+pub fn run(args: BenchArgs) -> Result<()> {
+    let toggles = crate::cli_generate::parse_toggles(&args.toggles)?;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+    for spec in &args.models {
+        let dir = model_dir(spec)?;
+        let engine = Arc::new(
+            Engine::load_with(&dir, &EngineOptions { threads: args.threads })
+                .with_context(|| format!("loading {}", dir.display()))?,
+        );
+        let cfg = engine.config();
+        let vocab = engine.tokenizer().vocab_size();
+        println!(
+            "\n== {spec}: {:.1}M params, {} layers, hidden {}, {} threads, toggles: {}",
+            cfg.num_params() as f64 / 1e6,
+            cfg.num_layers,
+            cfg.hidden_size,
+            engine.threads(),
+            if toggles.to_string().is_empty() { "default".into() } else { toggles.to_string() }
+        );
+        // Single sequence: prefill and decode.
+        let mut prefill = Vec::new();
+        let mut decode = Vec::new();
+        for _ in 0..3 {
+            let req = request(random_prompt(vocab, args.prompt_len, &mut rng), args.gen, toggles);
+            let out = engine.generate(&req, &mut |_| true)?;
+            let p = out.timings.prefill.as_secs_f64();
+            prefill.push(args.prompt_len as f64 / p);
+            let d = out.timings.total.as_secs_f64() - out.timings.first_token.unwrap_or_default().as_secs_f64();
+            decode.push((out.tokens.len() - 1) as f64 / d.max(1e-9));
+        }
+        println!(
+            "single sequence: prefill {:.0} tokens/s ({} tokens), decode {:.1} tokens/s ({} tokens), peak RSS {:.0} MiB",
+            median(prefill),
+            args.prompt_len,
+            median(decode),
+            args.gen,
+            peak_rss_mib().unwrap_or(f64::NAN)
+        );
+        let handle = EngineHandle::start(
+            engine.clone(),
+            SchedulerConfig {
+                kv_budget_bytes: args.kv_budget_mib << 20,
+                max_running: 256,
+                max_waiting: 4096,
+                ..Default::default()
+            },
+        )?;
+        if !args.concurrency.is_empty() {
+            println!(
+                "{:>11} {:>14} {:>12} {:>12} {:>10} {:>14}",
+                "concurrency", "output tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50", "KV peak MiB"
+            );
+        }
+        for &c in &args.concurrency {
+            let prompt_len = 64.min(args.prompt_len);
+            let gen = args.gen;
+            let reqs: Vec<GenerateRequest> = (0..c)
+                .map(|_| request(random_prompt(vocab, prompt_len, &mut rng), gen, toggles))
+                .collect();
+            let start = Instant::now();
+            let mut streams = Vec::new();
+            for r in reqs {
+                streams.push(handle.submit(r)?);
+            }
+            let mut itl = Histogram::<u64>::new(3)?;
+            let mut ttft = Histogram::<u64>::new(3)?;
+            let mut tokens = 0u64;
+            let threads: Vec<_> = streams
+                .into_iter()
+                .map(|mut s| {
+                    std::thread::spawn(move || {
+                        let mut gaps = Vec::new();
+                        let mut last: Option<Duration> = None;
+                        let mut first = None;
+                        while let Some(ev) = s.blocking_next() {
+                            match ev {
+                                Event::Token(t) => {
+                                    if let Some(l) = last {
+                                        gaps.push(t.elapsed - l);
+                                    } else {
+                                        first = Some(t.elapsed);
+                                    }
+                                    last = Some(t.elapsed);
+                                }
+                                Event::Done(_) | Event::Error(_) => break,
+                            }
+                        }
+                        (gaps, first)
+                    })
+                })
+                .collect();
+            for t in threads {
+                let (gaps, first) = t.join().map_err(|_| anyhow::anyhow!("reader panicked"))?;
+                tokens += gaps.len() as u64 + u64::from(first.is_some());
+                for g in gaps {
+                    itl.record(g.as_micros() as u64)?;
+                }
+                if let Some(f) = first {
+                    ttft.record(f.as_micros() as u64)?;
+                }
+            }
+            let secs = start.elapsed().as_secs_f64();
+            let block_mib = handle.stats().kv_pool_bytes.load(std::sync::atomic::Ordering::Relaxed)
+                as f64
+                / handle.stats().kv_blocks_total.load(std::sync::atomic::Ordering::Relaxed) as f64
+                / (1 << 20) as f64;
+            let peak = handle.stats().kv_blocks_peak.load(std::sync::atomic::Ordering::Relaxed) as f64;
+            println!(
+                "{:>11} {:>14.1} {:>12.2} {:>12.2} {:>10.1} {:>14.1}",
+                c,
+                tokens as f64 / secs,
+                itl.value_at_quantile(0.5) as f64 / 1e3,
+                itl.value_at_quantile(0.99) as f64 / 1e3,
+                ttft.value_at_quantile(0.5) as f64 / 1e3,
+                peak * block_mib
+            );
+        }
+        if args.turns > 0 {
+            multi_turn(&handle, vocab, args.turns, toggles, &mut rng)?;
+        }
+        println!(
+            "KV budget {} MiB: peak {:.1} MiB in use; process peak RSS {:.0} MiB",
+            args.kv_budget_mib,
+            handle.stats().kv_blocks_peak.load(std::sync::atomic::Ordering::Relaxed) as f64
+                * handle.stats().kv_pool_bytes.load(std::sync::atomic::Ordering::Relaxed) as f64
+                / handle.stats().kv_blocks_total.load(std::sync::atomic::Ordering::Relaxed) as f64
+                / (1 << 20) as f64,
+            peak_rss_mib().unwrap_or(f64::NAN)
+        );
+    }
+    Ok(())
+}
+
+/// A captured-style session: each turn resends the whole history plus the last answer and a new
+/// user message; time to first token per turn with the prefix cache on and off.
+fn multi_turn(
+    handle: &EngineHandle,
+    vocab: usize,
+    turns: usize,
+    toggles: Toggles,
+    rng: &mut impl Rng,
+) -> Result<()> {
+    let system = random_prompt(vocab, 400, rng);
+    let users: Vec<Vec<u32>> = (0..turns).map(|_| random_prompt(vocab, 60, rng)).collect();
+    let mut rows = Vec::new();
+    for cache in [true, false] {
+        let mut t = toggles;
+        t.prefix_cache = cache;
+        // A distinct first token per mode keeps the two runs from sharing cached blocks.
+        let mut history = system.clone();
+        history[0] = if cache { 1 } else { 2 };
+        let mut ttfts = Vec::new();
+        for user in &users {
+            history.extend(user);
+            let out = handle.generate_blocking(request(history.clone(), 16, t), &mut |_| true)?;
+            ttfts.push(out.timings.first_token.unwrap_or_default());
+            history.extend(&out.tokens);
+        }
+        rows.push(ttfts);
+    }
+    println!("multi-turn session ({turns} turns, history grows to {} tokens): TTFT ms", 400 + turns * 76);
+    println!("{:>5} {:>10} {:>10} {:>7}", "turn", "cache on", "cache off", "ratio");
+    for k in 0..turns {
+        let (on, off) = (rows[0][k].as_secs_f64() * 1e3, rows[1][k].as_secs_f64() * 1e3);
+        println!("{:>5} {:>10.1} {:>10.1} {:>7.2}", k + 1, on, off, on / off);
+    }
+    Ok(())
+}
