@@ -18,7 +18,7 @@ CREATE TABLE builds (
 -- A multi-turn conversation. `source` says how its requests were stitched together.
 CREATE TABLE sessions (
     id          TEXT PRIMARY KEY,
-    source      TEXT NOT NULL CHECK (source IN ('header', 'content', 'import')),
+    source      TEXT NOT NULL CHECK (source IN ('header', 'content', 'import', 'synth')),
     client_hint TEXT,
     created_us  INTEGER NOT NULL
 );

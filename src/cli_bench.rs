@@ -33,7 +33,7 @@ pub struct BenchArgs {
     /// Worker threads (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Concurrency levels for the batched measurement (empty: skip).
+    /// Concurrency levels for the batched measurement (`0`: skip).
     #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 4, 16, 64])]
     pub concurrency: Vec<usize>,
     /// Turns of the multi-turn prefix-cache measurement (0: skip).
@@ -139,13 +139,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 ..Default::default()
             },
         )?;
-        if !args.concurrency.is_empty() {
+        let levels: Vec<usize> = args.concurrency.iter().copied().filter(|&c| c > 0).collect();
+        if !levels.is_empty() {
             println!(
                 "{:>11} {:>14} {:>12} {:>12} {:>10} {:>14}",
                 "concurrency", "output tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50", "KV peak MiB"
             );
         }
-        for &c in &args.concurrency {
+        for &c in &levels {
             let prompt_len = 64.min(args.prompt_len);
             let gen = args.gen;
             let reqs: Vec<GenerateRequest> = (0..c)

@@ -5,6 +5,7 @@
 
 mod cli_bench;
 mod cli_generate;
+mod cli_serve;
 mod embedded;
 
 use std::path::PathBuf;
@@ -22,6 +23,11 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Serve the engine over an OpenAI-compatible HTTP API, recording every request to SQLite.
+    Serve(cli_serve::ServeArgs),
+    /// List, show, export and import recorded sessions.
+    #[command(subcommand)]
+    Sessions(cli_serve::SessionsCommand),
     /// Generate text with the in-process engine.
     Generate(cli_generate::GenerateArgs),
     /// List the engine's toggles: names, allowed values, defaults.
@@ -63,6 +69,8 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Serve(args) => cli_serve::serve(args),
+        Command::Sessions(cmd) => cli_serve::sessions(cmd),
         Command::Generate(args) => cli_generate::run(args),
         Command::Bench(BenchCommand::Engine(args)) => cli_bench::run(args),
         Command::Toggles => {

@@ -385,6 +385,16 @@ mod tests {
     }
 
     #[test]
+    fn documented_example_is_exact() {
+        // The example in recorder/FORMAT.md.
+        let blob = encode_tokens(&[151_644, 151_645, 872]);
+        assert_eq!(
+            blob,
+            [0x54, 0x01, 0x03, 0xb8, 0xc1, 0x12, 0x02, 0xe9, 0xb3, 0x12]
+        );
+    }
+
+    #[test]
     fn sequential_ids_take_one_byte_each() {
         let ids: Vec<u32> = (150_000..151_000).collect();
         assert!(encode_tokens(&ids).len() < 1_000 + 8);

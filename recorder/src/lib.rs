@@ -16,6 +16,7 @@ pub mod blob;
 pub mod error;
 pub mod record;
 pub mod server;
+pub mod sessions;
 pub mod stitch;
 pub mod store;
 pub mod writer;

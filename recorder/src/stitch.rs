@@ -31,8 +31,9 @@
 //! * `title`: no tools offered, and the text mentions `title` together with one of `generat`,
 //!   `create`, `write`, `suggest`, `give` (opencode's title agent: "You are a title generator...").
 //! * `compaction`: the text mentions `summar` (summarize, summary) together with one of
-//!   `conversation`, `above`, `so far`, `continu` (opencode's compaction prompt asks for a summary
-//!   "for continuing our conversation"), tools or not.
+//!   `conversation`, `above`, `so far`, `continu`, or the last user message asks for a
+//!   `prompt for continuing` the conversation (opencode's compaction: a summarizer system prompt
+//!   and "Provide a detailed prompt for continuing our conversation above"), tools or not.
 //! * `agent`: tools were offered.
 //! * `other`: anything else.
 
@@ -63,16 +64,22 @@ pub fn classify(messages: &[ChatMessage], tools_offered: bool) -> RequestKind {
         text.push_str(&m.text().to_lowercase());
         text.push('\n');
     }
-    if let Some(last_user) = messages.iter().rev().find(|m| m.role == "user") {
-        text.push_str(&last_user.text().to_lowercase());
-    }
+    let last_user = messages
+        .iter()
+        .rev()
+        .find(|m| m.role == "user")
+        .map(|m| m.text().to_lowercase())
+        .unwrap_or_default();
+    text.push_str(&last_user);
     let any = |words: &[&str]| words.iter().any(|w| text.contains(w));
     if !tools_offered
         && text.contains("title")
         && any(&["generat", "create", "write", "suggest", "give"])
     {
         RequestKind::Title
-    } else if text.contains("summar") && any(&["conversation", "above", "so far", "continu"]) {
+    } else if (text.contains("summar") && any(&["conversation", "above", "so far", "continu"]))
+        || last_user.contains("prompt for continuing")
+    {
         RequestKind::Compaction
     } else if tools_offered {
         RequestKind::Agent
@@ -328,6 +335,17 @@ impl Stitcher {
         index.continuations.insert(h, anchor);
         hex::encode(h)
     }
+}
+
+/// The continuation hash of a request with these messages and this answer: what
+/// [`Stitcher::complete`] would store. Used when importing sessions, so that a server started on
+/// the database later continues them.
+pub fn continuation_hash(messages: &[ChatMessage], answer: &ChatMessage) -> String {
+    let mut h = seed();
+    for m in messages {
+        h = extend(&h, m);
+    }
+    hex::encode(extend(&h, answer))
 }
 
 fn parse_hash(s: &str) -> Option<Hash> {

@@ -176,6 +176,31 @@ impl RecordWriter {
         }
     }
 
+    /// Queues a record without waiting: at once when there is room; when the queue is full, under
+    /// `Drop` it is dropped and under `Wait` a task waits for room (so the caller never does).
+    /// Used on request paths, where a response must not wait for the recorder.
+    pub fn submit_nowait(&self, record: RequestRecord) -> Submitted {
+        match self.tx.try_send(Msg::Record(Box::new(record))) {
+            Ok(()) => Submitted::Queued,
+            Err(mpsc::error::TrySendError::Full(msg)) if matches!(self.shared.policy, QueuePolicy::Wait(_)) => {
+                let QueuePolicy::Wait(d) = self.shared.policy else {
+                    unreachable!("matched above")
+                };
+                let this = self.clone();
+                tokio::spawn(async move {
+                    if this.tx.send_timeout(msg, d).await.is_err() {
+                        this.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+                Submitted::Queued
+            }
+            Err(_) => {
+                self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                Submitted::Dropped
+            }
+        }
+    }
+
     /// Waits until every record queued before this call is committed (or has failed).
     pub async fn flush(&self) -> Result<()> {
         let (tx, rx) = oneshot::channel();

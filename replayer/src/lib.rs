@@ -1,1 +1,28 @@
-//! replayer
+//! tapedeck's replayer: re-runs recorded multi-turn sessions against a candidate (the in-process
+//! engine with a toggle set, or any OpenAI-compatible server) and measures speed and fidelity.
+//!
+//! * [`session`]: the input model ([`Session`], [`Turn`]) and its loaders (JSONL
+//!   `tapedeck.session.v1`, the recorder's SQLite database).
+//! * [`target`]: the [`Target`] trait with [`EngineTarget`] and [`HttpTarget`], opened from a spec
+//!   string by [`target::open`].
+//! * [`history`]: what each turn sends (`recorded` or `self` history).
+//! * [`run`]: the replay loop ([`replay`]), pacing (closed/open loop) and cancellation.
+//! * [`metrics`]: pure speed and fidelity arithmetic (HDR histograms, drift, KL from top-k).
+//! * [`report`]: the serializable [`RunSummary`].
+//!
+//! The CLI calls [`replay`] (see `replayer/FORMAT.md` for the file formats).
+
+pub mod error;
+pub mod history;
+pub mod metrics;
+pub mod report;
+pub mod run;
+pub mod session;
+pub mod target;
+
+pub use error::{Error, Result};
+pub use history::HistoryMode;
+pub use report::{Pacing, RunSummary};
+pub use run::{replay, ReplayConfig};
+pub use session::{Session, SessionFilter, SessionSource, Turn};
+pub use target::{EngineTarget, HttpTarget, Target, TargetOptions};

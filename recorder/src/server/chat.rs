@@ -224,6 +224,8 @@ async fn start(
         chain,
         kind: rec.kind,
         request_id: rec.id,
+        session: rec.session.clone(),
+        continuation: None,
     };
     Ok((generation, protocol, stream))
 }
@@ -244,6 +246,8 @@ pub(super) struct ChatProtocol {
     chain: Chain,
     kind: RequestKind,
     request_id: Uuid,
+    session: Option<crate::record::SessionRef>,
+    continuation: Option<String>,
 }
 
 impl ChatProtocol {
@@ -304,6 +308,27 @@ impl ChatProtocol {
         out
     }
 
+    /// Makes the answer findable by the next turn. This runs before the response's last bytes are
+    /// sent: a client may send its next turn the moment it has the answer.
+    fn register(&mut self, split: &super::splitter::Split) {
+        let Some(session) = &self.session else { return };
+        let answer = ChatMessage {
+            role: "assistant".into(),
+            content: Some(MessageContent::Text(split.content.clone())),
+            reasoning_content: split.reasoning.clone(),
+            tool_calls: (!split.tool_calls.is_empty()).then(|| split.tool_calls.clone()),
+            tool_call_id: None,
+            name: None,
+        };
+        self.continuation = Some(self.state.stitcher().complete(
+            session,
+            self.request_id,
+            self.kind,
+            &self.chain,
+            &answer,
+        ));
+    }
+
     fn usage(&self, completion: usize) -> Value {
         json!({
             "prompt_tokens": self.prompt_tokens,
@@ -340,6 +365,9 @@ impl Protocol for ChatProtocol {
             FinishReason::Length => "length",
             FinishReason::Cancelled => "cancelled",
         };
+        if out.finish_reason != FinishReason::Cancelled {
+            self.register(&split);
+        }
         let lp = self.take_logprobs();
         chunks.push(self.chunk(json!({}), Some(finish), lp));
         let usage = self.usage(out.tokens.len());
@@ -385,28 +413,11 @@ impl Protocol for ChatProtocol {
 
     fn record(&mut self, rec: &mut RequestRecord, output: &mut RecordedOutput, success: bool) {
         let split = self.splitter.result();
-        output.content = split.content.clone();
-        output.reasoning = split.reasoning.clone();
-        output.tool_calls = split.tool_calls.clone();
-        if !success {
-            return;
-        }
-        if let Some(session) = &rec.session {
-            let answer = ChatMessage {
-                role: "assistant".into(),
-                content: Some(MessageContent::Text(split.content)),
-                reasoning_content: split.reasoning,
-                tool_calls: (!split.tool_calls.is_empty()).then_some(split.tool_calls),
-                tool_call_id: None,
-                name: None,
-            };
-            rec.continuation_hash = Some(self.state.stitcher().complete(
-                session,
-                self.request_id,
-                self.kind,
-                &self.chain,
-                &answer,
-            ));
+        output.content = split.content;
+        output.reasoning = split.reasoning;
+        output.tool_calls = split.tool_calls;
+        if success {
+            rec.continuation_hash = self.continuation.take();
         }
     }
 }

@@ -96,7 +96,7 @@ pub(super) async fn handle(State(state): State<AppState>, req: Request) -> Respo
             } else {
                 axum::Json(done.whole).into_response()
             };
-            state.finish(rec, arrival).await;
+            state.finish_nowait(rec, arrival);
             response
         }
         Err(e) => state.fail(rec, arrival, e).await,

@@ -131,6 +131,14 @@ impl Sink {
         }
     }
 
+    fn is_gone(&self) -> bool {
+        match self {
+            Sink::Pending(tx) => tx.is_closed(),
+            Sink::Streaming(tx) => tx.is_closed(),
+            Sink::Gone => true,
+        }
+    }
+
     fn reply(&mut self, r: Reply) -> bool {
         match std::mem::replace(self, Sink::Gone) {
             Sink::Pending(tx) => tx.send(r).is_ok(),
@@ -210,28 +218,28 @@ pub(crate) async fn drive<P: Protocol>(run: Run<P>, reply: oneshot::Sender<Reply
         token_offsets_us: offsets,
         ..RecordedOutput::default()
     };
+    // The record is queued before the client can see the end of its response (the `[DONE]`, the
+    // body, the error), so whoever reads the database after a response finds it after a flush.
+    let last: Last;
     let success = match &outcome {
         Ok(out) => {
             let done = protocol.done(out);
             output.finish_reason = Some(done.finish_reason.clone());
+            output.token_ids = out.tokens.clone();
+            output.text = out.text.clone();
+            output.logits = out.summaries.clone();
             if out.finish_reason == FinishReason::Cancelled {
                 disconnected = true;
             }
             if stream {
-                if !disconnected {
-                    let mut chunks = done.chunks;
-                    let ok = send_chunks(&mut sink, &mut protocol, &[]).await
-                        && send_all(&mut sink, chunks.drain(..)).await
-                        && sink.send(Event::default().data("[DONE]")).await;
-                    disconnected |= !ok;
+                if !disconnected && !send_chunks(&mut sink, &mut protocol, &done.chunks).await {
+                    disconnected = true;
                 }
-            } else if !sink.reply(Reply::Whole(done.whole)) {
-                disconnected = true;
+                last = Last::Event(Event::default().data("[DONE]"));
+            } else {
+                last = Last::Reply(Reply::Whole(done.whole));
             }
-            output.token_ids = out.tokens.clone();
-            output.text = out.text.clone();
-            output.logits = out.summaries.clone();
-            !disconnected
+            true
         }
         Err(e) => {
             let err = ApiError::from(e.clone());
@@ -239,28 +247,51 @@ pub(crate) async fn drive<P: Protocol>(run: Run<P>, reply: oneshot::Sender<Reply
             if matches!(e, BackendError::Cancelled) {
                 disconnected = true;
             }
-            if matches!(sink, Sink::Pending(_)) {
-                record.status = err.status().as_u16();
-                if err.status().is_server_error() {
-                    tracing::error!(request = %record.id, error = %err.record_text(), "generation failed");
-                }
-                sink.reply(Reply::Error(err));
-            } else {
-                tracing::error!(request = %record.id, error = %err.record_text(), "generation failed mid-stream");
-                sink.send(data(&err.body())).await;
-            }
             output.finish_reason = Some("error".into());
             output.token_ids = ids;
             output.logits = summaries;
+            if matches!(sink, Sink::Pending(_)) {
+                record.status = err.status().as_u16();
+                if err.status().is_server_error() && !disconnected {
+                    tracing::error!(request = %record.id, error = %err.record_text(), "generation failed");
+                }
+                last = Last::Reply(Reply::Error(err));
+            } else {
+                tracing::error!(request = %record.id, error = %err.record_text(), "generation failed mid-stream");
+                last = Last::Event(data(&err.body()));
+            }
             false
         }
     };
-    drop(sink);
+    if sink.is_gone() {
+        disconnected = true;
+    }
+    if disconnected && matches!(sink, Sink::Pending(_)) {
+        // Nothing was sent: nginx's "client closed request".
+        record.status = CLIENT_CLOSED_REQUEST;
+    }
     record.end_us = now_us();
     record.client_disconnected = disconnected;
-    protocol.record(&mut record, &mut output, success);
+    protocol.record(&mut record, &mut output, success && !disconnected);
     record.output = Some(output);
-    state.finish(record, arrival).await;
+    state.finish_nowait(record, arrival);
+    match last {
+        Last::Event(ev) => {
+            sink.send(ev).await;
+        }
+        Last::Reply(r) => {
+            sink.reply(r);
+        }
+    }
+}
+
+/// Status recorded for a request whose client left before any response byte was sent.
+pub(crate) const CLIENT_CLOSED_REQUEST: u16 = 499;
+
+/// What is delivered after the record is queued.
+enum Last {
+    Event(Event),
+    Reply(Reply),
 }
 
 async fn send_all(sink: &mut Sink, chunks: impl Iterator<Item = Value>) -> bool {

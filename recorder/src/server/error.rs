@@ -12,9 +12,12 @@ use serde_json::{json, Value};
 
 use crate::backend::BackendError;
 
-/// An error response.
+/// An error response. Boxed inside so that `Result<T, ApiError>` stays small.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ApiError {
+pub struct ApiError(Box<Inner>);
+
+#[derive(Debug, Clone, PartialEq)]
+struct Inner {
     status: StatusCode,
     kind: &'static str,
     message: String,
@@ -26,7 +29,7 @@ pub struct ApiError {
 
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
-        ApiError {
+        ApiError(Box::new(Inner {
             status,
             kind,
             message: message.into(),
@@ -34,7 +37,7 @@ impl ApiError {
             code: None,
             retry_after: None,
             internal: None,
-        }
+        }))
     }
 
     /// 400: the request is malformed or asks for something unsupported.
@@ -55,7 +58,7 @@ impl ApiError {
             format!("The model `{model}` does not exist."),
         )
         .with_param("model");
-        e.code = Some("model_not_found");
+        e.0.code = Some("model_not_found");
         e
     }
 
@@ -71,7 +74,7 @@ impl ApiError {
              {prompt_tokens} tokens."
         ))
         .with_param("messages");
-        e.code = Some("context_length_exceeded");
+        e.0.code = Some("context_length_exceeded");
         e
     }
 
@@ -91,8 +94,8 @@ impl ApiError {
             "rate_limit_error",
             "the server is overloaded; retry later",
         );
-        e.code = Some("rate_limit_exceeded");
-        e.retry_after = Some(retry_after);
+        e.0.code = Some("rate_limit_exceeded");
+        e.0.retry_after = Some(retry_after);
         e
     }
 
@@ -103,46 +106,46 @@ impl ApiError {
             "server_error",
             "internal server error",
         );
-        e.internal = Some(detail.into());
+        e.0.internal = Some(detail.into());
         e
     }
 
     /// Names the parameter at fault.
     pub fn with_param(mut self, param: &str) -> Self {
-        self.param = Some(param.to_string());
+        self.0.param = Some(param.to_string());
         self
     }
 
     /// The HTTP status.
     pub fn status(&self) -> StatusCode {
-        self.status
+        self.0.status
     }
 
     /// The message sent to the client.
     pub fn message(&self) -> &str {
-        &self.message
+        &self.0.message
     }
 
     /// The machine-readable code, if any.
     pub fn code(&self) -> Option<&'static str> {
-        self.code
+        self.0.code
     }
 
     /// What goes into the recording: the internal detail when there is one.
     pub fn record_text(&self) -> String {
-        match &self.internal {
-            Some(d) => format!("{}: {d}", self.message),
-            None => self.message.clone(),
+        match &self.0.internal {
+            Some(d) => format!("{}: {d}", self.0.message),
+            None => self.0.message.clone(),
         }
     }
 
     /// The JSON body.
     pub fn body(&self) -> Value {
         json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
+            "message": self.0.message,
+            "type": self.0.kind,
+            "param": self.0.param,
+            "code": self.0.code,
         }})
     }
 }
@@ -164,11 +167,11 @@ impl From<BackendError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if let Some(d) = &self.internal {
-            tracing::error!(status = %self.status, detail = %d, "request failed");
+        if let Some(d) = &self.0.internal {
+            tracing::error!(status = %self.0.status, detail = %d, "request failed");
         }
-        let mut resp = (self.status, axum::Json(self.body())).into_response();
-        if let Some(after) = self.retry_after {
+        let mut resp = (self.0.status, axum::Json(self.body())).into_response();
+        if let Some(after) = self.0.retry_after {
             let secs = after.as_secs().max(1).to_string();
             if let Ok(v) = HeaderValue::from_str(&secs) {
                 resp.headers_mut().insert(header::RETRY_AFTER, v);

@@ -229,8 +229,9 @@ impl AppState {
         rec
     }
 
-    /// Counts a finished request and hands its record to the writer.
-    async fn finish(&self, rec: RequestRecord, arrival: Arrival) {
+    /// Counts a finished request and hands its record to the writer without waiting (see
+    /// [`RecordWriter::submit_nowait`]).
+    fn finish_nowait(&self, rec: RequestRecord, arrival: Arrival) {
         let m = &self.0.metrics;
         m.e2e.observe(arrival.at.elapsed());
         m.request_done(
@@ -242,7 +243,16 @@ impl AppState {
         if rec.client_disconnected {
             m.client_disconnected();
         }
-        self.0.writer.submit(rec).await;
+        tracing::debug!(
+            id = %rec.id,
+            endpoint = rec.endpoint.as_str(),
+            status = rec.status,
+            prompt_tokens = rec.prompt_tokens().unwrap_or(0),
+            completion_tokens = rec.completion_tokens().unwrap_or(0),
+            e2e_ms = arrival.at.elapsed().as_millis() as u64,
+            "request done"
+        );
+        self.0.writer.submit_nowait(rec);
     }
 
     /// Records a request that failed before generating and returns its error response.
@@ -250,7 +260,7 @@ impl AppState {
         rec.status = err.status().as_u16();
         rec.error = Some(err.record_text());
         rec.end_us = now_us();
-        self.finish(rec, arrival).await;
+        self.finish_nowait(rec, arrival);
         err.into_response()
     }
 }

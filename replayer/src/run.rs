@@ -1,0 +1,570 @@
+//! The replay loop: sessions turn by turn, many sessions at once, measured as they go.
+//!
+//! Each session runs its turns in order with no think time. Sessions are paced closed loop (a
+//! fixed number in flight) or open loop (Poisson arrivals, latency from the intended start).
+//! Every turn is generated free-running, compared with its recording, and — when the recording
+//! has output token IDs and summaries — its recorded output is scored under the candidate
+//! (teacher forcing). Cancellation (`watch` channel set to `true`, e.g. on Ctrl-C) stops new
+//! turns, abandons the ones in flight and returns everything that finished.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use rand::{Rng, SeedableRng};
+use tokio::sync::watch;
+
+use crate::error::{Error, Result};
+use crate::history::{self_history, Answered, HistoryMode};
+use crate::metrics::{
+    drift, drift_by_bucket, first_divergence, normalized_edit_distance, DriftStats, PositionDrift,
+    RequestTiming, Slo, SpeedAccumulator,
+};
+use crate::report::{
+    FidelitySummary, OutputFidelity, Pacing, PromptFidelity, RunSettings, RunSummary, SessionRow,
+    TurnDrift, TurnRow, RUN_FORMAT,
+};
+use crate::session::{Session, Turn};
+use crate::target::{GenOptions, Target, TurnOutput};
+
+/// Called after every finished turn (progress bars, live logs).
+pub type ProgressFn = dyn Fn(&TurnRow) + Send + Sync;
+
+/// How to replay.
+#[derive(Clone)]
+pub struct ReplayConfig {
+    /// Pacing of sessions.
+    pub pacing: Pacing,
+    /// History mode.
+    pub history: HistoryMode,
+    /// Score recorded outputs under the candidate (teacher forcing).
+    pub teacher_forcing: bool,
+    /// Alternatives per logits summary.
+    pub top_k: usize,
+    /// Cap on output tokens of every turn (`None`: each request's own `max_tokens`).
+    pub max_tokens_cap: Option<usize>,
+    /// Goodput SLOs.
+    pub slo: Slo,
+    /// |Δlogprob| (nats) above which a turn is flagged for drift. A rerun of the reference is
+    /// bit-exact (0), so the default only needs to sit above float noise.
+    pub drift_tolerance: f64,
+    /// Called after each turn.
+    pub progress: Option<Arc<ProgressFn>>,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            pacing: Pacing::default(),
+            history: HistoryMode::Recorded,
+            teacher_forcing: true,
+            top_k: tapedeck_engine::generate::DEFAULT_SUMMARY_K,
+            max_tokens_cap: None,
+            slo: Slo::default(),
+            drift_tolerance: 1e-4,
+            progress: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for ReplayConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplayConfig")
+            .field("pacing", &self.pacing)
+            .field("history", &self.history)
+            .field("teacher_forcing", &self.teacher_forcing)
+            .field("top_k", &self.top_k)
+            .field("max_tokens_cap", &self.max_tokens_cap)
+            .field("slo", &self.slo)
+            .field("drift_tolerance", &self.drift_tolerance)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReplayConfig {
+    fn settings(&self) -> RunSettings {
+        RunSettings {
+            pacing: self.pacing,
+            history: self.history,
+            teacher_forcing: self.teacher_forcing,
+            top_k: self.top_k,
+            max_tokens_cap: self.max_tokens_cap,
+            slo: self.slo,
+            drift_tolerance: self.drift_tolerance,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        match self.pacing {
+            Pacing::Closed { concurrency: 0 } => Err(Error::Setting {
+                name: "concurrency",
+                message: "must be at least 1".into(),
+            }),
+            Pacing::Open { rate, .. } if !(rate.is_finite() && rate > 0.0) => Err(Error::Setting {
+                name: "rate",
+                message: format!("{rate} is not a positive number of sessions per second"),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Start offsets of `n` sessions arriving as a Poisson process of `rate` per second: exponential
+/// gaps with mean `1/rate`, drawn from a seeded ChaCha stream so a rerun uses the same schedule.
+pub fn poisson_offsets(n: usize, rate: f64, seed: u64) -> Vec<Duration> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut t = 0.0f64;
+    (0..n)
+        .map(|_| {
+            // 1 − U is in (0, 1], so the logarithm is finite.
+            let u: f64 = 1.0 - rng.random::<f64>();
+            t += -u.ln() / rate;
+            Duration::from_secs_f64(t)
+        })
+        .collect()
+}
+
+fn now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Speed facts of one output relative to `intended` (the send time, or the scheduled time of an
+/// open-loop session's first turn).
+pub fn timing_from(out: &TurnOutput, intended: Instant) -> RequestTiming {
+    let since = |t: Instant| micros(t.saturating_duration_since(intended));
+    let c = &out.clock;
+    RequestTiming {
+        ttft_us: c.tokens.first().map(|&t| since(t)),
+        itl_us: c
+            .tokens
+            .windows(2)
+            .map(|w| micros(w[1].saturating_duration_since(w[0])))
+            .collect(),
+        e2e_us: since(c.end),
+        input_tokens: out.prompt_tokens.unwrap_or(0),
+        output_tokens: out.output_tokens,
+    }
+}
+
+/// Resolves when the token becomes `true`; never when the sender is gone without cancelling.
+async fn cancelled(mut rx: watch::Receiver<bool>) {
+    if rx.wait_for(|c| *c).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// What one finished turn contributes.
+struct TurnResult {
+    row: TurnRow,
+    timing: Option<RequestTiming>,
+    positions: Vec<PositionDrift>,
+    answer: Option<tapedeck_engine::ChatMessage>,
+    output_mismatch: bool,
+}
+
+/// Compares a candidate output with the recording and, when possible, scores the recorded output.
+async fn evaluate(
+    target: &dyn Target,
+    cfg: &ReplayConfig,
+    turn: &Turn,
+    out: &TurnOutput,
+    self_mode_after_mismatch: bool,
+) -> (TurnRow, Vec<PositionDrift>, bool) {
+    let mut row = TurnRow {
+        kind: turn.kind,
+        finish_reason: out.finish_reason.clone(),
+        ..TurnRow::default()
+    };
+    let mut positions = Vec::new();
+    let mut mismatch = false;
+    if let Some(rec) = &turn.recorded {
+        // Prompt.
+        let prompt = match (&rec.prompt_ids, &out.prompt_ids) {
+            (Some(r), Some(c)) => {
+                let d = first_divergence(r, c);
+                PromptFidelity {
+                    recorded_tokens: Some(r.len()),
+                    candidate_tokens: Some(c.len()),
+                    first_divergence: d,
+                    diverged: d.is_some(),
+                }
+            }
+            (r, _) => {
+                let rl = r.as_ref().map(Vec::len);
+                PromptFidelity {
+                    recorded_tokens: rl,
+                    candidate_tokens: out.prompt_tokens,
+                    first_divergence: None,
+                    diverged: matches!((rl, out.prompt_tokens), (Some(a), Some(b)) if a != b),
+                }
+            }
+        };
+        // In self mode a prompt legitimately differs once an earlier answer differed.
+        if prompt.diverged && !self_mode_after_mismatch {
+            row.flags.push("prompt_divergence".into());
+        }
+        row.prompt = Some(prompt);
+        // Free-running output.
+        let output = match (&rec.output_ids, &out.output_ids) {
+            (Some(r), Some(c)) => OutputFidelity {
+                basis: "token_ids".into(),
+                exact_match: r == c,
+                first_divergence: first_divergence(r, c),
+                edit_distance: normalized_edit_distance(r, c),
+                recorded_len: r.len(),
+                candidate_len: c.len(),
+            },
+            _ => {
+                let r: Vec<char> = rec
+                    .message
+                    .as_ref()
+                    .map(|m| m.text())
+                    .unwrap_or_else(|| rec.output_text.clone())
+                    .chars()
+                    .collect();
+                let c: Vec<char> = out.message.text().chars().collect();
+                OutputFidelity {
+                    basis: "text".into(),
+                    exact_match: r == c,
+                    first_divergence: first_divergence(&r, &c),
+                    edit_distance: normalized_edit_distance(&r, &c),
+                    recorded_len: r.len(),
+                    candidate_len: c.len(),
+                }
+            }
+        };
+        mismatch = !output.exact_match;
+        // Only a deterministic recording (greedy, or a fixed seed) must reproduce exactly.
+        let deterministic = turn.request.temperature == Some(0.0) || turn.request.seed.is_some();
+        if mismatch && deterministic && !self_mode_after_mismatch {
+            row.flags.push("output_mismatch".into());
+        }
+        row.output = Some(output);
+        // Teacher forcing.
+        let scored_prompt = match (cfg.history, &out.prompt_ids) {
+            (HistoryMode::Recorded, Some(c)) => Some(("candidate", c.clone())),
+            _ => rec.prompt_ids.clone().map(|r| ("recorded", r)),
+        };
+        if let (true, Some((whose, prompt_ids)), Some(output_ids)) =
+            (cfg.teacher_forcing, scored_prompt, &rec.output_ids)
+        {
+            if !output_ids.is_empty() && rec.summaries.len() == output_ids.len() {
+                match target
+                    .score(prompt_ids.clone(), output_ids.clone(), cfg.top_k)
+                    .await
+                {
+                    Ok(cand) => {
+                        positions = drift(prompt_ids.len(), &rec.summaries, &cand);
+                        let stats = DriftStats::of(&positions);
+                        if stats.abs_dlogprob.max > cfg.drift_tolerance {
+                            row.flags.push("drift".into());
+                        }
+                        if stats.top1_agreement < 1.0 {
+                            row.flags.push("top1".into());
+                        }
+                        row.drift = Some(TurnDrift {
+                            scored_prompt: whose.into(),
+                            first_top1_disagreement: positions.iter().position(|p| !p.top1_agree),
+                            stats,
+                        });
+                    }
+                    Err(e) => {
+                        row.error_kind = Some(format!("score_{}", e.kind()));
+                        row.error = Some(format!("scoring: {e}"));
+                    }
+                }
+            }
+        }
+    }
+    if let Some(p) = &turn.probe {
+        let passed = p.passes(&out.text) || p.passes(&out.message.text());
+        if !passed {
+            row.flags.push("probe_failed".into());
+        }
+        row.probe_passed = Some(passed);
+    }
+    (row, positions, mismatch)
+}
+
+/// Replays one session; returns its row and per-turn contributions.
+async fn run_session(
+    session: Session,
+    target: Arc<dyn Target>,
+    cfg: ReplayConfig,
+    intended_start: Instant,
+    cancel: watch::Receiver<bool>,
+) -> (SessionRow, Vec<TurnResult>) {
+    let gen = GenOptions {
+        top_k: cfg.top_k,
+        max_tokens_cap: cfg.max_tokens_cap,
+    };
+    let mut results: Vec<TurnResult> = Vec::new();
+    let mut answers: Vec<(usize, tapedeck_engine::ChatMessage)> = Vec::new();
+    let mut intended = intended_start;
+    let mut was_cancelled = false;
+    let mut any_mismatch = false;
+    for (k, turn) in session.turns.iter().enumerate() {
+        if *cancel.borrow() {
+            was_cancelled = true;
+            break;
+        }
+        let mut request = turn.request.clone();
+        if cfg.history == HistoryMode::SelfFed {
+            let earlier: Vec<Answered<'_>> = answers
+                .iter()
+                .map(|(j, a)| Answered {
+                    recorded_messages: &session.turns[*j].request.messages,
+                    answer: a,
+                })
+                .collect();
+            request.messages = self_history(&turn.request.messages, &earlier);
+        }
+        let chat = target.chat(request, gen);
+        let outcome = tokio::select! {
+            r = chat => Some(r),
+            _ = cancelled(cancel.clone()) => None,
+        };
+        let Some(outcome) = outcome else {
+            was_cancelled = true;
+            break;
+        };
+        let after_mismatch = cfg.history == HistoryMode::SelfFed && any_mismatch;
+        let result = match outcome {
+            Ok(out) => {
+                let timing = timing_from(&out, intended);
+                let eval = evaluate(target.as_ref(), &cfg, turn, &out, after_mismatch);
+                let (mut row, positions, mismatch) = tokio::select! {
+                    r = eval => r,
+                    _ = cancelled(cancel.clone()) => {
+                        was_cancelled = true;
+                        break;
+                    }
+                };
+                row.timing = Some(timing.clone());
+                TurnResult {
+                    row,
+                    timing: Some(timing),
+                    positions,
+                    answer: Some(out.message),
+                    output_mismatch: mismatch,
+                }
+            }
+            Err(e) => TurnResult {
+                row: TurnRow {
+                    kind: turn.kind,
+                    error_kind: Some(e.kind()),
+                    error: Some(e.to_string()),
+                    ..TurnRow::default()
+                },
+                timing: None,
+                positions: Vec::new(),
+                answer: None,
+                output_mismatch: false,
+            },
+        };
+        let mut result = result;
+        result.row.session_id = session.id.clone();
+        result.row.turn = k;
+        any_mismatch |= result.output_mismatch;
+        if let Some(p) = &cfg.progress {
+            p(&result.row);
+        }
+        let failed = result.timing.is_none();
+        if let Some(a) = result.answer.take() {
+            answers.push((k, a));
+        }
+        results.push(result);
+        // Without the candidate's answer the agent's conversation cannot continue in self mode.
+        if failed && cfg.history == HistoryMode::SelfFed {
+            break;
+        }
+        intended = Instant::now();
+    }
+    let row = SessionRow {
+        id: session.id.clone(),
+        turns_total: session.turns.len(),
+        turns: results.iter().map(|r| r.row.clone()).collect(),
+        first_divergent_turn: results.iter().find(|r| r.row.flagged()).map(|r| r.row.turn),
+        cancelled: was_cancelled,
+    };
+    (row, results)
+}
+
+/// Replays `sessions` against `target` and returns the run summary.
+///
+/// This is the library entry point of `tapedeck replay`. Setting `cancel` to `true` stops the run
+/// early; the summary then holds every turn that finished and `cancelled: true`. Only invalid
+/// settings are errors: a failing turn is recorded in its row and counted by kind.
+pub async fn replay(
+    sessions: Vec<Session>,
+    target: Arc<dyn Target>,
+    cfg: &ReplayConfig,
+    cancel: watch::Receiver<bool>,
+) -> Result<RunSummary> {
+    cfg.check()?;
+    let started_at_us = now_us();
+    let start = Instant::now();
+    let total = sessions.len();
+    let mut done: Vec<(usize, SessionRow, Vec<TurnResult>)> = Vec::with_capacity(total);
+    let mut started = 0usize;
+    match cfg.pacing {
+        Pacing::Closed { concurrency } => {
+            let mut pending = sessions.into_iter().enumerate();
+            let mut running = FuturesUnordered::new();
+            loop {
+                while running.len() < concurrency && !*cancel.borrow() {
+                    let Some((i, s)) = pending.next() else { break };
+                    started += 1;
+                    let (t, c, rx) = (target.clone(), cfg.clone(), cancel.clone());
+                    running.push(async move {
+                        let (row, res) = run_session(s, t, c, Instant::now(), rx).await;
+                        (i, row, res)
+                    });
+                }
+                match running.next().await {
+                    Some(r) => done.push(r),
+                    None => break,
+                }
+            }
+        }
+        Pacing::Open { rate, seed } => {
+            let offsets = poisson_offsets(total, rate, seed);
+            let mut running = FuturesUnordered::new();
+            for ((i, s), off) in sessions.into_iter().enumerate().zip(offsets) {
+                let (t, c, rx) = (target.clone(), cfg.clone(), cancel.clone());
+                let due = start + off;
+                running.push(async move {
+                    let wait = tokio::select! {
+                        _ = tokio::time::sleep_until(due.into()) => true,
+                        _ = cancelled(rx.clone()) => false,
+                    };
+                    if !wait {
+                        return None;
+                    }
+                    let (row, res) = run_session(s, t, c, due, rx).await;
+                    Some((i, row, res))
+                });
+            }
+            while let Some(r) = running.next().await {
+                if let Some(r) = r {
+                    started += 1;
+                    done.push(r);
+                }
+            }
+        }
+    }
+    let duration = start.elapsed();
+    done.sort_by_key(|(i, _, _)| *i);
+    summarize(
+        target.info(),
+        cfg,
+        started_at_us,
+        duration,
+        *cancel.borrow(),
+        total,
+        started,
+        done.into_iter().map(|(_, r, t)| (r, t)).collect(),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn summarize(
+    target: crate::target::TargetInfo,
+    cfg: &ReplayConfig,
+    started_at_us: i64,
+    duration: Duration,
+    cancelled: bool,
+    total: usize,
+    started: usize,
+    sessions: Vec<(SessionRow, Vec<TurnResult>)>,
+) -> Result<RunSummary> {
+    let mut speed = SpeedAccumulator::default();
+    let mut positions = Vec::new();
+    let mut fid = FidelitySummary::default();
+    let mut edit_sum = 0.0;
+    for (_, results) in &sessions {
+        for r in results {
+            match (&r.timing, &r.row.error_kind) {
+                (Some(t), _) => speed.success(t, &cfg.slo),
+                (None, Some(kind)) => speed.failure(kind),
+                (None, None) => speed.failure("unknown"),
+            }
+            positions.extend_from_slice(&r.positions);
+            let row = &r.row;
+            if let Some(o) = &row.output {
+                fid.compared_turns += 1;
+                fid.exact_match_turns += usize::from(o.exact_match);
+                edit_sum += o.edit_distance;
+            }
+            if row.prompt.as_ref().is_some_and(|p| p.diverged) {
+                fid.prompt_divergent_turns += 1;
+            }
+            if row.drift.is_some() {
+                fid.scored_turns += 1;
+            }
+            match row.probe_passed {
+                Some(true) => fid.probes_passed += 1,
+                Some(false) => fid.probes_failed += 1,
+                None => {}
+            }
+            if row.flagged() {
+                fid.flagged_turns += 1;
+            }
+            for f in &row.flags {
+                *fid.flags.entry(f.clone()).or_default() += 1;
+            }
+        }
+    }
+    if fid.compared_turns > 0 {
+        fid.mean_edit_distance = edit_sum / fid.compared_turns as f64;
+    }
+    fid.drift = DriftStats::of(&positions);
+    fid.drift_by_bucket = drift_by_bucket(&positions);
+    let ended_at_us = started_at_us.saturating_add(i64::try_from(micros(duration)).unwrap_or(0));
+    Ok(RunSummary {
+        format: RUN_FORMAT.into(),
+        target,
+        settings: cfg.settings(),
+        started_at_us,
+        ended_at_us,
+        cancelled,
+        sessions_total: total,
+        sessions_started: started,
+        speed: speed.summary(duration.as_secs_f64())?,
+        flagged: fid.flagged_turns > 0,
+        fidelity: fid,
+        sessions: sessions.into_iter().map(|(r, _)| r).collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poisson_mean_rate() {
+        let n = 20_000;
+        let rate = 50.0;
+        let offs = poisson_offsets(n, rate, 42);
+        assert!(offs.windows(2).all(|w| w[0] <= w[1]), "non-decreasing");
+        let observed = n as f64 / offs[n - 1].as_secs_f64();
+        // The rate estimate's relative standard error is 1/sqrt(n) ≈ 0.7%; allow 5%.
+        assert!((observed - rate).abs() / rate < 0.05, "{observed}");
+        // Exponential gaps: the coefficient of variation is 1.
+        let gaps: Vec<f64> = std::iter::once(offs[0].as_secs_f64())
+            .chain(offs.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()))
+            .collect();
+        let mean = gaps.iter().sum::<f64>() / n as f64;
+        let sd = (gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / n as f64).sqrt();
+        assert!((sd / mean - 1.0).abs() < 0.05, "cv {}", sd / mean);
+        assert_eq!(offs, poisson_offsets(n, rate, 42), "seeded");
+        assert_ne!(offs, poisson_offsets(n, rate, 43));
+    }
+}
