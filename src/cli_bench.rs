@@ -51,7 +51,10 @@ fn model_dir(spec: &str) -> Result<PathBuf> {
     if spec == "llama-120m" {
         let dir = embedded::cache_root().join("bench").join("llama-120m");
         if !dir.join("config.json").exists() {
-            eprintln!("generating the llama-120m benchmark model into {} ...", dir.display());
+            eprintln!(
+                "generating the llama-120m benchmark model into {} ...",
+                dir.display()
+            );
             fixture::build(&FixtureSpec::llama_120m(), &dir)
                 .with_context(|| format!("building llama-120m into {}", dir.display()))?;
         }
@@ -98,8 +101,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
     for spec in &args.models {
         let dir = model_dir(spec)?;
         let engine = Arc::new(
-            Engine::load_with(&dir, &EngineOptions { threads: args.threads })
-                .with_context(|| format!("loading {}", dir.display()))?,
+            Engine::load_with(
+                &dir,
+                &EngineOptions {
+                    threads: args.threads,
+                },
+            )
+            .with_context(|| format!("loading {}", dir.display()))?,
         );
         let cfg = engine.config();
         let vocab = engine.tokenizer().vocab_size();
@@ -109,17 +117,26 @@ pub fn run(args: BenchArgs) -> Result<()> {
             cfg.num_layers,
             cfg.hidden_size,
             engine.threads(),
-            if toggles.to_string().is_empty() { "default".into() } else { toggles.to_string() }
+            if toggles.to_string().is_empty() {
+                "default".into()
+            } else {
+                toggles.to_string()
+            }
         );
         // Single sequence: prefill and decode.
         let mut prefill = Vec::new();
         let mut decode = Vec::new();
         for _ in 0..3 {
-            let req = request(random_prompt(vocab, args.prompt_len, &mut rng), args.gen, toggles);
+            let req = request(
+                random_prompt(vocab, args.prompt_len, &mut rng),
+                args.gen,
+                toggles,
+            );
             let out = engine.generate(&req, &mut |_| true)?;
             let p = out.timings.prefill.as_secs_f64();
             prefill.push(args.prompt_len as f64 / p);
-            let d = out.timings.total.as_secs_f64() - out.timings.first_token.unwrap_or_default().as_secs_f64();
+            let d = out.timings.total.as_secs_f64()
+                - out.timings.first_token.unwrap_or_default().as_secs_f64();
             decode.push((out.tokens.len() - 1) as f64 / d.max(1e-9));
         }
         println!(
@@ -139,11 +156,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 ..Default::default()
             },
         )?;
-        let levels: Vec<usize> = args.concurrency.iter().copied().filter(|&c| c > 0).collect();
+        let levels: Vec<usize> = args
+            .concurrency
+            .iter()
+            .copied()
+            .filter(|&c| c > 0)
+            .collect();
         if !levels.is_empty() {
             println!(
                 "{:>11} {:>14} {:>12} {:>12} {:>10} {:>14}",
-                "concurrency", "output tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50", "KV peak MiB"
+                "concurrency",
+                "output tok/s",
+                "ITL p50 ms",
+                "ITL p99 ms",
+                "TTFT p50",
+                "KV peak MiB"
             );
         }
         for &c in &levels {
@@ -195,11 +222,19 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 }
             }
             let secs = start.elapsed().as_secs_f64();
-            let block_mib = handle.stats().kv_pool_bytes.load(std::sync::atomic::Ordering::Relaxed)
-                as f64
-                / handle.stats().kv_blocks_total.load(std::sync::atomic::Ordering::Relaxed) as f64
+            let block_mib = handle
+                .stats()
+                .kv_pool_bytes
+                .load(std::sync::atomic::Ordering::Relaxed) as f64
+                / handle
+                    .stats()
+                    .kv_blocks_total
+                    .load(std::sync::atomic::Ordering::Relaxed) as f64
                 / (1 << 20) as f64;
-            let peak = handle.stats().kv_blocks_peak.load(std::sync::atomic::Ordering::Relaxed) as f64;
+            let peak = handle
+                .stats()
+                .kv_blocks_peak
+                .load(std::sync::atomic::Ordering::Relaxed) as f64;
             println!(
                 "{:>11} {:>14.1} {:>12.2} {:>12.2} {:>10.1} {:>14.1}",
                 c,
@@ -216,9 +251,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
         println!(
             "KV budget {} MiB: peak {:.1} MiB in use; process peak RSS {:.0} MiB",
             args.kv_budget_mib,
-            handle.stats().kv_blocks_peak.load(std::sync::atomic::Ordering::Relaxed) as f64
-                * handle.stats().kv_pool_bytes.load(std::sync::atomic::Ordering::Relaxed) as f64
-                / handle.stats().kv_blocks_total.load(std::sync::atomic::Ordering::Relaxed) as f64
+            handle
+                .stats()
+                .kv_blocks_peak
+                .load(std::sync::atomic::Ordering::Relaxed) as f64
+                * handle
+                    .stats()
+                    .kv_pool_bytes
+                    .load(std::sync::atomic::Ordering::Relaxed) as f64
+                / handle
+                    .stats()
+                    .kv_blocks_total
+                    .load(std::sync::atomic::Ordering::Relaxed) as f64
                 / (1 << 20) as f64,
             peak_rss_mib().unwrap_or(f64::NAN)
         );
@@ -253,10 +297,19 @@ fn multi_turn(
         }
         rows.push(ttfts);
     }
-    println!("multi-turn session ({turns} turns, history grows to {} tokens): TTFT ms", 400 + turns * 76);
-    println!("{:>5} {:>10} {:>10} {:>7}", "turn", "cache on", "cache off", "ratio");
+    println!(
+        "multi-turn session ({turns} turns, history grows to {} tokens): TTFT ms",
+        400 + turns * 76
+    );
+    println!(
+        "{:>5} {:>10} {:>10} {:>7}",
+        "turn", "cache on", "cache off", "ratio"
+    );
     for k in 0..turns {
-        let (on, off) = (rows[0][k].as_secs_f64() * 1e3, rows[1][k].as_secs_f64() * 1e3);
+        let (on, off) = (
+            rows[0][k].as_secs_f64() * 1e3,
+            rows[1][k].as_secs_f64() * 1e3,
+        );
         println!("{:>5} {:>10.1} {:>10.1} {:>7.2}", k + 1, on, off, on / off);
     }
     Ok(())

@@ -36,6 +36,13 @@ pub struct ServeArgs {
     /// Requests allowed to wait for the engine before the server answers 429.
     #[arg(long, default_value_t = 256)]
     pub max_queued: usize,
+    /// KV-cache budget of the batching scheduler, MiB.
+    #[arg(long, default_value_t = 512)]
+    pub kv_budget: usize,
+    /// Serve one request at a time without the batching scheduler and prefix cache (the
+    /// simplest path, for isolating scheduler faults).
+    #[arg(long)]
+    pub no_batching: bool,
     /// Records the recorder's queue holds.
     #[arg(long, default_value_t = 4096)]
     pub record_queue: usize,
@@ -53,6 +60,11 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     cfg.listen = args.listen;
     cfg.db = args.db;
     cfg.max_queued_requests = args.max_queued;
+    cfg.scheduler = (!args.no_batching).then(|| tapedeck_engine::scheduler::SchedulerConfig {
+        kv_budget_bytes: args.kv_budget << 20,
+        max_waiting: args.max_queued,
+        ..Default::default()
+    });
     cfg.app.toggles = toggles;
     cfg.app.session_header = args.session_header.to_ascii_lowercase();
     cfg.app.served_model_name = args.served_model_name.or_else(|| {

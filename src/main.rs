@@ -4,8 +4,12 @@
 //! become a message and a non-zero exit code.
 
 mod cli_bench;
+mod cli_demo;
 mod cli_generate;
+mod cli_replay;
 mod cli_serve;
+mod cli_synth;
+mod cli_verdict;
 mod embedded;
 
 use std::path::PathBuf;
@@ -23,11 +27,25 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// The main job on the embedded default: serve, record, replay against candidates, compare,
+    /// bisect, report.
+    Demo(cli_demo::DemoArgs),
     /// Serve the engine over an OpenAI-compatible HTTP API, recording every request to SQLite.
     Serve(cli_serve::ServeArgs),
     /// List, show, export and import recorded sessions.
     #[command(subcommand)]
     Sessions(cli_serve::SessionsCommand),
+    /// Re-run recorded sessions against a candidate; measure speed and context fidelity.
+    Replay(cli_replay::ReplayArgs),
+    /// Render a replay run as text, JSON, Markdown or a self-contained HTML page.
+    Report(cli_verdict::ReportArgs),
+    /// Compare a candidate run with a baseline under a policy; exit 0 pass, 1 fail, 2 not comparable.
+    Compare(cli_verdict::CompareArgs),
+    /// Find the smallest set of toggle changes that breaks fidelity (delta debugging).
+    Bisect(cli_verdict::BisectArgs),
+    /// Generate test sessions.
+    #[command(subcommand)]
+    Synth(cli_synth::SynthCommand),
     /// Generate text with the in-process engine.
     Generate(cli_generate::GenerateArgs),
     /// List the engine's toggles: names, allowed values, defaults.
@@ -69,8 +87,14 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Demo(args) => cli_demo::run(args),
         Command::Serve(args) => cli_serve::serve(args),
         Command::Sessions(cmd) => cli_serve::sessions(cmd),
+        Command::Replay(args) => cli_replay::run(args),
+        Command::Synth(cmd) => cli_synth::run(cmd),
+        Command::Report(args) => cli_verdict::report(args),
+        Command::Compare(args) => exit_with(cli_verdict::compare(args)?),
+        Command::Bisect(args) => exit_with(cli_verdict::bisect(args)?),
         Command::Generate(args) => cli_generate::run(args),
         Command::Bench(BenchCommand::Engine(args)) => cli_bench::run(args),
         Command::Toggles => {
@@ -89,6 +113,14 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// Ends the process with a verdict's exit code (0 is returned normally).
+fn exit_with(code: i32) -> Result<()> {
+    if code != 0 {
+        std::process::exit(code);
+    }
+    Ok(())
 }
 
 fn print_toggles() {

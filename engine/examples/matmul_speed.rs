@@ -7,9 +7,19 @@ use std::time::Instant;
 use tapedeck_engine::numerics::matmul_t;
 
 fn main() {
-    for &(n, k, m) in &[(1, 768, 2048), (1, 768, 768), (4, 768, 2048), (64, 768, 2048), (256, 768, 2048)] {
-        let x: Vec<f32> = (0..n * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
-        let w: Vec<f32> = (0..m * k).map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5).collect();
+    for &(n, k, m) in &[
+        (1, 768, 2048),
+        (1, 768, 768),
+        (4, 768, 2048),
+        (64, 768, 2048),
+        (256, 768, 2048),
+    ] {
+        let x: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let w: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
         let mut out = vec![0.0f32; n * m];
         matmul_t(&x, &w, None, n, k, m, &mut out);
         let reps = (200_000_000 / (n * k * m)).max(3);

@@ -289,7 +289,8 @@ impl Config {
                         // transformers: `~(wavelen < high) * ~(wavelen > low)`; wavelengths are finite.
                         let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
                         if medium {
-                            let smooth = (orig as f32 / wavelen - low as f32) / (high as f32 - low as f32);
+                            let smooth =
+                                (orig as f32 / wavelen - low as f32) / (high as f32 - low as f32);
                             (1.0 - smooth) * scaled / factor + smooth * scaled
                         } else {
                             scaled

@@ -25,6 +25,8 @@ pub struct Decoding {
     stop_token_ids: Vec<u32>,
     top_k_summary: usize,
     done: bool,
+    /// Teacher forcing: the tokens to feed instead of sampling (empty: generate).
+    forced: Vec<u32>,
 }
 
 impl Decoding {
@@ -49,7 +51,20 @@ impl Decoding {
             stop_token_ids: req.stop.stop_token_ids.clone(),
             top_k_summary: req.top_k_summary,
             done: req.stop.max_tokens == 0,
+            forced: Vec::new(),
         }
+    }
+
+    /// Teacher forcing through the generation path: each step "chooses" the next of `forced`
+    /// and summarizes the distribution with that token's logprob; no stop rule applies until
+    /// `forced` runs out. Scoring this way runs exactly the prefill chunks, decode steps, batching
+    /// and prefix-cache hits that generation does.
+    pub fn new_forced(req: &GenerateRequest, start: Instant, forced: Vec<u32>) -> Self {
+        let mut d = Decoding::new(req, start);
+        d.max_tokens = forced.len();
+        d.done = forced.is_empty();
+        d.forced = forced;
+        d
     }
 
     /// Tokens generated so far.
@@ -77,6 +92,25 @@ impl Decoding {
     ) -> Result<(TokenEvent, bool)> {
         if self.out.tokens.is_empty() && self.out.timings.prefill.is_zero() {
             self.prefilled();
+        }
+        if !self.forced.is_empty() {
+            let id = self.forced[self.out.tokens.len()];
+            let summary = summarize(logits, id, self.top_k_summary);
+            self.out.tokens.push(id);
+            self.out.summaries.push(summary.clone());
+            let elapsed = self.start.elapsed();
+            self.out.timings.first_token.get_or_insert(elapsed);
+            if self.out.tokens.len() >= self.forced.len() || context_full {
+                self.out.finish_reason = FinishReason::Length;
+                self.done = true;
+            }
+            let event = TokenEvent {
+                id,
+                text: String::new(),
+                summary,
+                elapsed,
+            };
+            return Ok((event, self.done));
         }
         let id = self.sampler.sample(logits);
         let summary = summarize(logits, id, self.top_k_summary);

@@ -121,6 +121,8 @@ struct Pending {
     req: GenerateRequest,
     tx: tmpsc::UnboundedSender<Event>,
     arrival: Instant,
+    /// Teacher forcing: tokens fed instead of sampled (empty: generate).
+    forced: Vec<u32>,
 }
 
 /// A handle to a running scheduler. Cloning shares it; the scheduler stops when every handle is
@@ -205,6 +207,48 @@ impl EngineHandle {
 
     /// Queues a request; its events arrive on the returned stream.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream> {
+        self.enqueue(req, Vec::new())
+    }
+
+    /// Teacher forcing through the serving path: the summaries of the model's distribution at
+    /// each position of `output` after `prompt`, with `logprob` that of the given token. The
+    /// prompt is prefilled (hitting the prefix cache, chunked per the toggles) and `output` is fed
+    /// one decode step at a time, batched with other traffic, exactly as generation runs, so
+    /// decode-only toggles (`decode_topk`) show.
+    pub async fn score(
+        &self,
+        prompt: Vec<u32>,
+        output: Vec<u32>,
+        top_k: usize,
+        toggles: Toggles,
+    ) -> Result<Vec<crate::generate::LogitsSummary>> {
+        if output.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = output.len();
+        let req = GenerateRequest {
+            prompt,
+            sampling: Default::default(),
+            stop: crate::generate::StopCriteria {
+                max_tokens: n,
+                ignore_eos: true,
+                ..Default::default()
+            },
+            top_k_summary: top_k,
+            toggles,
+        };
+        let mut stream = self.enqueue(req, output)?;
+        loop {
+            match stream.next().await {
+                Some(Event::Token(_)) => {}
+                Some(Event::Done(out)) => return Ok(out.summaries),
+                Some(Event::Error(e)) => return Err(Error::InvalidRequest(e)),
+                None => return Err(Error::SchedulerStopped),
+            }
+        }
+    }
+
+    fn enqueue(&self, req: GenerateRequest, forced: Vec<u32>) -> Result<RequestStream> {
         if req.prompt.is_empty() {
             return Err(Error::InvalidRequest("the prompt is empty".into()));
         }
@@ -227,6 +271,7 @@ impl EngineHandle {
             req,
             tx,
             arrival: Instant::now(),
+            forced,
         }));
         if self.tx.send(msg).is_err() {
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -403,7 +448,11 @@ impl Core {
             self.stats
                 .prefix_hit_tokens
                 .fetch_add(table.len as u64, Ordering::Relaxed);
-            let dec = Decoding::new(&p.req, p.arrival);
+            let dec = if p.forced.is_empty() {
+                Decoding::new(&p.req, p.arrival)
+            } else {
+                Decoding::new_forced(&p.req, p.arrival, p.forced)
+            };
             self.running.push(Seq {
                 tokens: p.req.prompt.clone(),
                 keys: keys[..hits.len()].to_vec(),

@@ -293,3 +293,36 @@ fn dropping_the_stream_frees_blocks_and_oversized_requests_are_refused() {
         other => panic!("expected an error, got {other:?}"),
     }
 }
+
+#[test]
+fn scheduler_scoring_equals_engine_decode_scoring() {
+    let e = engine(2);
+    let h = handle(e.clone());
+    let mut r = rng();
+    let prompt_ids = prompt(&e, 70, &mut r);
+    let output = prompt(&e, 12, &mut r);
+    for toggles in ["", "decode_topk=16,prefill_chunk=7"] {
+        let t: Toggles = toggles.parse().unwrap();
+        let mut all = prompt_ids.clone();
+        all.extend(&output);
+        let want = e
+            .score_with(
+                &all,
+                prompt_ids.len(),
+                4,
+                &t,
+                tapedeck_engine::engine::ScoreMode::Decode,
+            )
+            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        // Twice: the second hits the prefix cache and must not change a bit.
+        for _ in 0..2 {
+            let got = rt
+                .block_on(h.score(prompt_ids.clone(), output.clone(), 4, t))
+                .unwrap();
+            assert_eq!(got, want, "toggles {toggles:?}");
+        }
+    }
+}

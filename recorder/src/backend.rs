@@ -1,5 +1,7 @@
 //! What the server generates with: a [`Backend`] trait, implemented by [`EngineBackend`] (the
-//! in-process engine). An upstream OpenAI-compatible server will be a second implementation.
+//! in-process engine, one generation at a time) and [`SchedulerBackend`] (the engine's
+//! continuous-batching scheduler with its prefix cache). An upstream OpenAI-compatible server will
+//! be another implementation.
 //!
 //! The engine's `generate` is synchronous, CPU-heavy and reports tokens through a callback.
 //! [`EngineBackend`] turns that into an async stream: a semaphore admits one generation at a time
@@ -14,8 +16,10 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use tapedeck_engine::chat::{EncodeOptions, Encoding, ParsedOutput, ToolCallFormat};
+use tapedeck_engine::scheduler::{EngineHandle, Event as SchedEvent, SchedulerConfig};
 use tapedeck_engine::{
-    ChatMessage, Engine, GenerateOutput, GenerateRequest, LogitsSummary, Toggles, TokenEvent,
+    ChatMessage, Engine, FinishReason, GenerateOutput, GenerateRequest, LogitsSummary, Toggles,
+    TokenEvent,
 };
 use tokio::sync::{mpsc, Semaphore};
 
@@ -83,6 +87,10 @@ impl From<tapedeck_engine::Error> for BackendError {
             E::Toggle { name, message } => {
                 BackendError::InvalidRequest(format!("toggle {name}: {message}"))
             }
+            E::Overloaded { waiting, .. } => BackendError::Overloaded {
+                queued: waiting,
+                retry_after: Duration::from_secs(1),
+            },
             other => BackendError::Internal(other.to_string()),
         }
     }
@@ -99,18 +107,57 @@ pub enum GenEvent {
     Error(BackendError),
 }
 
+/// A cancellation flag the consumer sets and the producer checks (synchronously from an engine
+/// callback, or by awaiting [`CancelToken::cancelled`]). Clones share the flag.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<CancelInner>);
+
+#[derive(Debug, Default)]
+struct CancelInner {
+    flag: AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl CancelToken {
+    /// A token not cancelled yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Cancels; idempotent.
+    pub fn cancel(&self) {
+        if !self.0.flag.swap(true, Ordering::AcqRel) {
+            // `notify_one` keeps a permit when nobody waits yet, so a later `cancelled()` returns.
+            self.0.notify.notify_one();
+        }
+    }
+
+    /// Whether it was cancelled.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.flag.load(Ordering::Acquire)
+    }
+
+    /// Resolves once cancelled (meant for one waiting producer).
+    pub async fn cancelled(&self) {
+        while !self.is_cancelled() {
+            self.0.notify.notified().await;
+        }
+    }
+}
+
 /// A running generation: a stream of [`GenEvent`]s ending with `Done` or `Error`.
 ///
 /// Dropping it cancels the generation.
 #[derive(Debug)]
 pub struct Generation {
     rx: mpsc::UnboundedReceiver<GenEvent>,
-    cancel: Arc<AtomicBool>,
+    cancel: CancelToken,
 }
 
 impl Generation {
-    /// A generation fed by the given channel; setting `cancel` asks the producer to stop.
-    pub fn new(rx: mpsc::UnboundedReceiver<GenEvent>, cancel: Arc<AtomicBool>) -> Self {
+    /// A generation fed by the given channel; cancelling `cancel` asks the producer to stop and
+    /// end with `Done` (finish reason `Cancelled`).
+    pub fn new(rx: mpsc::UnboundedReceiver<GenEvent>, cancel: CancelToken) -> Self {
         Generation { rx, cancel }
     }
 
@@ -121,7 +168,7 @@ impl Generation {
 
     /// Asks the backend to stop; a `Done` with `FinishReason::Cancelled` follows.
     pub fn cancel(&self) {
-        self.cancel.store(true, Ordering::Relaxed);
+        self.cancel.cancel();
     }
 }
 
@@ -177,6 +224,24 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Running and waiting requests now.
     fn load(&self) -> Load;
+
+    /// Cache and batching figures, for `/metrics` (none by default).
+    fn cache_stats(&self) -> Option<CacheStats> {
+        None
+    }
+}
+
+/// Prefix-cache and KV figures of a backend that has them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Prompt tokens served from the prefix cache.
+    pub prefix_hit_tokens: u64,
+    /// Prompt tokens that had to be prefilled.
+    pub prefill_tokens: u64,
+    /// KV blocks in use.
+    pub kv_blocks_used: u64,
+    /// KV blocks in the pool.
+    pub kv_blocks_total: u64,
 }
 
 /// The in-process engine behind a one-at-a-time semaphore.
@@ -277,7 +342,7 @@ impl Backend for EngineBackend {
     fn generate(&self, req: GenerateRequest) -> Result<Generation, BackendError> {
         let waiting = self.admit()?;
         let (tx, rx) = mpsc::unbounded_channel();
-        let cancel = Arc::new(AtomicBool::new(false));
+        let cancel = CancelToken::new();
         let engine = self.engine.clone();
         let permits = self.permits.clone();
         let counts = self.counts.clone();
@@ -290,7 +355,7 @@ impl Backend for EngineBackend {
                 return;
             };
             drop(waiting);
-            if stop.load(Ordering::Relaxed) {
+            if stop.is_cancelled() {
                 let _ = tx.send(GenEvent::Error(BackendError::Cancelled));
                 return;
             }
@@ -298,8 +363,7 @@ impl Backend for EngineBackend {
             let token_tx = tx.clone();
             let result = tokio::task::spawn_blocking(move || {
                 engine.generate(&req, &mut |ev: &TokenEvent| {
-                    !stop.load(Ordering::Relaxed)
-                        && token_tx.send(GenEvent::Token(ev.clone())).is_ok()
+                    !stop.is_cancelled() && token_tx.send(GenEvent::Token(ev.clone())).is_ok()
                 })
             })
             .await;
@@ -346,5 +410,200 @@ impl Backend for EngineBackend {
             running: self.counts.running.load(Ordering::Relaxed),
             queued: self.counts.queued.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// The engine's continuous-batching scheduler ([`EngineHandle`]): concurrent requests share
+/// forward passes, and a prompt that starts like an earlier one (every turn of an agent session)
+/// reuses its cached KV blocks.
+pub struct SchedulerBackend {
+    handle: EngineHandle,
+    info: BackendInfo,
+}
+
+impl SchedulerBackend {
+    /// Starts the scheduler over a loaded engine.
+    pub fn start(engine: Arc<Engine>, config: SchedulerConfig) -> Result<Self, BackendError> {
+        let info = BackendInfo {
+            model_id: engine.model_id(),
+            context_len: engine.context_len(),
+            vocab_size: engine.tokenizer().vocab_size(),
+            backend: "cpu".into(),
+            device: "cpu".into(),
+            tool_call_format: engine.template().tool_call_format(),
+        };
+        let handle = EngineHandle::start(engine, config)?;
+        Ok(SchedulerBackend { handle, info })
+    }
+
+    /// The scheduler handle.
+    pub fn handle(&self) -> &EngineHandle {
+        &self.handle
+    }
+
+    fn engine(&self) -> &Arc<Engine> {
+        self.handle.engine()
+    }
+}
+
+impl Backend for SchedulerBackend {
+    fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+
+    fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        opts: &EncodeOptions,
+    ) -> Result<Encoding, BackendError> {
+        Ok(self.engine().encode_chat(messages, tools, opts)?)
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, BackendError> {
+        Ok(self.engine().tokenizer().encode(text)?)
+    }
+
+    fn detokenize(&self, ids: &[u32]) -> Result<String, BackendError> {
+        Ok(self.engine().tokenizer().decode(ids)?)
+    }
+
+    fn parse_output(&self, text: &str) -> ParsedOutput {
+        self.engine().template().parse_output(text)
+    }
+
+    fn generate(&self, req: GenerateRequest) -> Result<Generation, BackendError> {
+        let prompt_tokens = req.prompt.len();
+        let mut stream = self.handle.submit(req)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let cancel = CancelToken::new();
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            // What was streamed so far, to report a cancelled generation: the scheduler frees a
+            // request's blocks as soon as its stream is dropped and sends nothing more.
+            let mut partial = GenerateOutput {
+                tokens: Vec::new(),
+                text: String::new(),
+                summaries: Vec::new(),
+                finish_reason: FinishReason::Cancelled,
+                matched_stop: None,
+                prompt_tokens,
+                timings: Default::default(),
+            };
+            loop {
+                let ev = tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => {
+                        drop(stream);
+                        let _ = tx.send(GenEvent::Done(partial));
+                        return;
+                    }
+                    ev = stream.next() => ev,
+                };
+                let last = match ev {
+                    Some(SchedEvent::Token(t)) => {
+                        partial.tokens.push(t.id);
+                        partial.text.push_str(&t.text);
+                        partial.summaries.push(t.summary.clone());
+                        if tx.send(GenEvent::Token(t)).is_err() {
+                            return; // the consumer is gone: dropping `stream` cancels
+                        }
+                        continue;
+                    }
+                    Some(SchedEvent::Done(out)) => GenEvent::Done(out),
+                    Some(SchedEvent::Error(e)) => GenEvent::Error(BackendError::Internal(e)),
+                    None => GenEvent::Error(BackendError::Internal("the scheduler stopped".into())),
+                };
+                let _ = tx.send(last);
+                return;
+            }
+        });
+        Ok(Generation::new(rx, cancel))
+    }
+
+    fn score(
+        &self,
+        tokens: Vec<u32>,
+        from: usize,
+        top_k: usize,
+        toggles: Toggles,
+    ) -> BoxFuture<'static, Result<Vec<LogitsSummary>, BackendError>> {
+        let handle = self.handle.clone();
+        Box::pin(async move {
+            // The scheduler scores `output` after `prompt`: position i of the sequence is scored
+            // given tokens[..i], exactly as `Engine::score(tokens, from, ..)`.
+            let from = from.clamp(1, tokens.len().max(1));
+            let (prompt, output) = tokens.split_at(from.min(tokens.len()));
+            Ok(handle
+                .score(prompt.to_vec(), output.to_vec(), top_k, toggles)
+                .await?)
+        })
+    }
+
+    fn load(&self) -> Load {
+        let s = self.handle.stats();
+        Load {
+            running: s.running.load(Ordering::Relaxed),
+            queued: s.waiting.load(Ordering::Relaxed),
+        }
+    }
+
+    fn cache_stats(&self) -> Option<CacheStats> {
+        let s = self.handle.stats();
+        Some(CacheStats {
+            prefix_hit_tokens: s.prefix_hit_tokens.load(Ordering::Relaxed),
+            prefill_tokens: s.prefill_tokens.load(Ordering::Relaxed),
+            kv_blocks_used: s.kv_blocks_used.load(Ordering::Relaxed) as u64,
+            kv_blocks_total: s.kv_blocks_total.load(Ordering::Relaxed) as u64,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn cancel_token_wakes_a_waiter_before_and_after() {
+        let t = CancelToken::new();
+        assert!(!t.is_cancelled());
+        t.cancel();
+        t.cancel(); // idempotent
+        t.cancelled().await; // cancelled before anyone waited: still resolves
+        let t = CancelToken::new();
+        let waiter = {
+            let t = t.clone();
+            tokio::spawn(async move { t.cancelled().await })
+        };
+        tokio::task::yield_now().await;
+        t.cancel();
+        waiter.await.unwrap();
+    }
+
+    #[test]
+    fn engine_errors_map_to_client_or_server_errors() {
+        use tapedeck_engine::Error as E;
+        assert!(matches!(
+            BackendError::from(E::ContextOverflow {
+                prompt_tokens: 9,
+                context: 8
+            }),
+            BackendError::ContextOverflow { .. }
+        ));
+        assert!(matches!(
+            BackendError::from(E::Overloaded {
+                waiting: 3,
+                limit: 3
+            }),
+            BackendError::Overloaded { queued: 3, .. }
+        ));
+        assert!(matches!(
+            BackendError::from(E::Template("roles must alternate".into())),
+            BackendError::InvalidRequest(_)
+        ));
+        assert!(matches!(
+            BackendError::from(E::Tokenizer("boom".into())),
+            BackendError::Internal(_)
+        ));
     }
 }

@@ -2,8 +2,9 @@
 //!
 //! * [`server`]: the axum app (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`,
 //!   `/metrics`) and [`server::serve`], which the `tapedeck serve` command calls.
-//! * [`backend`]: what the server generates with — the in-process engine now, an upstream OpenAI
-//!   server later — behind one trait.
+//! * [`backend`]: what the server generates with, behind one trait: [`EngineBackend`] (the
+//!   in-process engine, one generation at a time), [`SchedulerBackend`] (the engine's
+//!   continuous-batching scheduler with its prefix cache); an upstream OpenAI server later.
 //! * [`store`], [`writer`], [`blob`]: the SQLite database, the off-request-path batched writer,
 //!   and the binary encoding of per-token columns.
 //! * [`stitch`]: how requests are grouped into multi-turn sessions and classified.
@@ -21,7 +22,7 @@ pub mod stitch;
 pub mod store;
 pub mod writer;
 
-pub use backend::{Backend, EngineBackend};
+pub use backend::{Backend, EngineBackend, SchedulerBackend};
 pub use error::{Error, Result};
 pub use record::{RequestKind, RequestRecord};
 pub use server::{serve, ServeConfig};

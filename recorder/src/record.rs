@@ -191,6 +191,20 @@ pub struct PromptScores {
     pub summaries: Vec<LogitsSummary>,
 }
 
+/// An expectation on one turn's answer: a planted fact the model must still know.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Probe {
+    /// Strings the answer (content, reasoning or tool-call arguments) must contain.
+    pub must_contain: Vec<String>,
+    /// Absolute token position of the planted fact in the prompt (under the generating model's
+    /// tokenizer), for reporting recall by depth.
+    #[serde(default)]
+    pub needle_position: Option<usize>,
+    /// Free-form label (e.g. `needle@4096:user`).
+    #[serde(default)]
+    pub label: Option<String>,
+}
+
 /// One recorded request: a row of `requests`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestRecord {
@@ -230,6 +244,9 @@ pub struct RequestRecord {
     pub build_id: Option<i64>,
     /// The client went away before the response was complete.
     pub client_disconnected: bool,
+    /// What a faithful answer must show (imported sessions from `tapedeck synth`; `None` for
+    /// recorded traffic).
+    pub probe: Option<Probe>,
     /// Stitch key under which a later request extending this one's messages plus its answer will
     /// find it (see [`crate::stitch`]).
     pub continuation_hash: Option<String>,
@@ -257,6 +274,7 @@ impl RequestRecord {
             prompt_scores: None,
             build_id: None,
             client_disconnected: false,
+            probe: None,
             continuation_hash: None,
         }
     }

@@ -17,6 +17,7 @@ use tapedeck_engine::{ChatMessage, LogitsSummary, Toggles, ToolCall};
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
+pub use crate::record::Probe;
 use crate::record::{
     now_us, BuildInfo, Endpoint, PromptScores, RecordedOutput, RequestKind, RequestRecord,
     SessionRef, SessionSource, StitchMethod,
@@ -227,20 +228,6 @@ pub struct RequestLine {
     pub probe: Option<Probe>,
 }
 
-/// An expectation on one turn's answer: a planted fact the model must still know.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Probe {
-    /// Strings the answer (content, reasoning or tool-call arguments) must contain.
-    pub must_contain: Vec<String>,
-    /// Absolute token position of the planted fact in the prompt (under the generating model's
-    /// tokenizer), for reporting recall by depth.
-    #[serde(default)]
-    pub needle_position: Option<usize>,
-    /// Free-form label (e.g. `needle@4096:user`).
-    #[serde(default)]
-    pub label: Option<String>,
-}
-
 /// Every session with its summary.
 pub async fn list(store: &Store) -> Result<Vec<SessionSummary>> {
     store.sessions().await
@@ -349,8 +336,9 @@ fn request_line(rec: RequestRecord, build: Option<BuildInfo>) -> RequestLine {
             from: p.from,
             logprobs: p.summaries.iter().map(TokenLogprobs::from).collect(),
         }),
-        // Probes are authored (by `tapedeck synth`), never recorded from traffic.
-        probe: None,
+        // Probes are authored (by `tapedeck synth`) and kept through import; never recorded from
+        // traffic.
+        probe: rec.probe,
     }
 }
 
@@ -489,6 +477,7 @@ fn line_to_record(
         }
     };
     rec.headers = req.headers;
+    rec.probe = req.probe;
     rec.model = req.model;
     rec.status = req.status.unwrap_or(200);
     rec.error = req.error;
@@ -529,4 +518,145 @@ fn line_to_record(
         });
     }
     Ok(rec)
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ` for µs since the epoch (UTC), without a date crate.
+pub fn format_utc(us: i64) -> String {
+    let secs = us.div_euclid(1_000_000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+fn clip(s: &str, n: usize) -> String {
+    let one_line: String = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    if one_line.chars().count() <= n {
+        one_line
+    } else {
+        one_line
+            .chars()
+            .take(n.saturating_sub(1))
+            .collect::<String>()
+            + "…"
+    }
+}
+
+/// A table of sessions for `tapedeck sessions list`.
+pub fn render_list(sessions: &[SessionSummary]) -> String {
+    let mut out = format!(
+        "{:<36}  {:<7}  {:>4}  {:>3}  {:>9}  {:>8}  {:<20}  {:>8}  {}\n",
+        "SESSION", "SOURCE", "REQS", "ERR", "PROMPT", "OUTPUT", "STARTED (UTC)", "SPAN s", "CLIENT"
+    );
+    for s in sessions {
+        let span = match (s.first_arrival_us, s.last_end_us) {
+            (Some(a), Some(b)) => format!("{:.1}", (b - a) as f64 / 1e6),
+            _ => "-".into(),
+        };
+        out.push_str(&format!(
+            "{:<36}  {:<7}  {:>4}  {:>3}  {:>9}  {:>8}  {:<20}  {:>8}  {}\n",
+            clip(&s.id, 36),
+            s.source.as_str(),
+            s.requests,
+            s.errors,
+            s.prompt_tokens,
+            s.completion_tokens,
+            format_utc(s.first_arrival_us.unwrap_or(s.created_us)),
+            span,
+            clip(s.client_hint.as_deref().unwrap_or("-"), 40),
+        ));
+    }
+    out
+}
+
+/// A turn-by-turn summary of one session for `tapedeck sessions show`.
+pub fn render_session(line: &SessionLine) -> String {
+    let s = &line.session;
+    let mut out = format!(
+        "session {} ({}, {} requests{})\n",
+        s.id,
+        s.source.as_str(),
+        line.requests.len(),
+        s.client_hint
+            .as_deref()
+            .map(|h| format!(", {h}"))
+            .unwrap_or_default()
+    );
+    for r in &line.requests {
+        let t = &r.timing;
+        let ms = |a: Option<i64>, b: Option<i64>| match (a, b) {
+            (Some(a), Some(b)) => format!("{:.0}ms", (b - a) as f64 / 1e3),
+            _ => "-".into(),
+        };
+        let last_user = r
+            .messages
+            .iter()
+            .flatten()
+            .rev()
+            .find(|m| m["role"] == "user" || m["role"] == "tool")
+            .map(|m| {
+                let role = m["role"].as_str().unwrap_or("?");
+                let text = serde_json::from_value::<ChatMessage>(m.clone())
+                    .map(|c| c.text())
+                    .unwrap_or_default();
+                format!("{role}: {}", clip(&text, 50))
+            })
+            .unwrap_or_default();
+        let answer = match &r.response {
+            None => format!("error: {}", clip(r.error.as_deref().unwrap_or("-"), 60)),
+            Some(resp) if !resp.tool_calls.is_empty() => format!(
+                "calls {}",
+                resp.tool_calls
+                    .iter()
+                    .map(|c| c.function.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Some(resp) => clip(&resp.content, 60),
+        };
+        out.push_str(&format!(
+            "  #{:<3} {:<10} {:<10} {} {:>6}→{:<5} ttft {:>7} e2e {:>7} {:<10} | {} → {}\n",
+            r.turn.map_or("-".into(), |t| t.to_string()),
+            r.kind.map_or("-", RequestKind::as_str),
+            r.stitch.map_or("-", StitchMethod::as_str),
+            r.status.unwrap_or(200),
+            r.prompt_token_ids.as_ref().map_or(0, Vec::len),
+            r.response.as_ref().map_or(0, |x| x.token_ids.len()),
+            ms(t.arrival_us, t.first_token_us),
+            ms(t.arrival_us, t.end_us),
+            r.response
+                .as_ref()
+                .and_then(|x| x.finish_reason.as_deref())
+                .unwrap_or("-"),
+            last_user,
+            answer,
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_formatting() {
+        assert_eq!(format_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(format_utc(951_782_400_000_000), "2000-02-29T00:00:00Z");
+        assert_eq!(format_utc(1_764_732_723_500_000), "2025-12-03T03:32:03Z");
+        assert_eq!(format_utc(-1_000_000), "1969-12-31T23:59:59Z");
+    }
 }

@@ -25,19 +25,20 @@
 //!
 //! # Classification ([`classify`])
 //!
-//! Heuristics, in order, over the system/developer messages and the last user message
-//! (case-insensitive):
+//! Heuristics, in order, over the *opening* of the system/developer prompt (its first
+//! [`PERSONA_CHARS`] characters, where a side agent states what it is: long agent prompts mention
+//! summaries and titles in passing further down) and the last user message, case-insensitive:
 //!
-//! * `title`: no tools offered, and the text mentions `title` together with one of `generat`,
+//! * `title`: no tools offered, and either text mentions `title` together with one of `generat`,
 //!   `create`, `write`, `suggest`, `give` (opencode's title agent: "You are a title generator...").
-//! * `compaction`: the text mentions `summar` (summarize, summary) together with one of
-//!   `conversation`, `above`, `so far`, `continu`, or the last user message asks for a
-//!   `prompt for continuing` the conversation (opencode's compaction: a summarizer system prompt
-//!   and "Provide a detailed prompt for continuing our conversation above"), tools or not.
+//! * `compaction`: either text mentions `summar` (summarize, summary) together with one of
+//!   `conversation`, `above`, `so far`, `continu`; or the last user message asks for a
+//!   `prompt for continuing` (opencode: "Provide a detailed prompt for continuing our conversation
+//!   above"). Tools or not.
 //! * `agent`: tools were offered.
 //! * `other`: anything else.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 use serde_json::Value;
@@ -54,14 +55,22 @@ type Hash = [u8; 32];
 
 const CHAIN_SEED: &[u8] = b"tapedeck.stitch.v1";
 
+/// How much of the system prompt [`classify`] looks at.
+pub const PERSONA_CHARS: usize = 500;
+
 /// Classifies a chat request (see the module documentation for the rules).
 pub fn classify(messages: &[ChatMessage], tools_offered: bool) -> RequestKind {
     let mut text = String::new();
-    for m in messages
+    if let Some(sys) = messages
         .iter()
-        .filter(|m| m.role == "system" || m.role == "developer")
+        .find(|m| m.role == "system" || m.role == "developer")
     {
-        text.push_str(&m.text().to_lowercase());
+        text.extend(
+            sys.text()
+                .chars()
+                .take(PERSONA_CHARS)
+                .flat_map(char::to_lowercase),
+        );
         text.push('\n');
     }
     let last_user = messages
@@ -152,11 +161,61 @@ struct Anchor {
     request: Uuid,
 }
 
-#[derive(Debug, Default)]
+/// Most continuation keys kept in memory (about 150 bytes each). Older keys are forgotten first:
+/// a conversation idle for a million requests starts a new session when it resumes.
+pub const MAX_KEYS: usize = 1 << 20;
+
+/// A map that forgets its oldest keys beyond a capacity.
+#[derive(Debug)]
+struct Bounded {
+    map: HashMap<Hash, Anchor>,
+    order: VecDeque<Hash>,
+    cap: usize,
+}
+
+impl Bounded {
+    fn new(cap: usize) -> Self {
+        Bounded {
+            map: HashMap::new(),
+            order: VecDeque::new(),
+            cap: cap.max(1),
+        }
+    }
+
+    fn insert(&mut self, k: Hash, v: Anchor) {
+        if self.map.insert(k, v).is_none() {
+            self.order.push_back(k);
+        }
+        while self.map.len() > self.cap {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.map.remove(&old);
+                }
+                None => break,
+            }
+        }
+    }
+
+    fn get(&self, k: &Hash) -> Option<&Anchor> {
+        self.map.get(k)
+    }
+}
+
+#[derive(Debug)]
 struct Index {
-    continuations: HashMap<Hash, Anchor>,
-    compactions: HashMap<Hash, Anchor>,
+    continuations: Bounded,
+    compactions: Bounded,
     next_turn: HashMap<String, u32>,
+}
+
+impl Default for Index {
+    fn default() -> Self {
+        Index {
+            continuations: Bounded::new(MAX_KEYS),
+            compactions: Bounded::new(MAX_KEYS / 16),
+            next_turn: HashMap::new(),
+        }
+    }
 }
 
 impl Index {
@@ -229,7 +288,7 @@ impl Stitcher {
 
     /// Number of continuation keys held (for tests and diagnostics).
     pub fn len(&self) -> usize {
-        self.lock().continuations.len()
+        self.lock().continuations.map.len()
     }
 
     /// Whether the index is empty.
@@ -368,6 +427,22 @@ mod tests {
             canonical_json(&serde_json::json!({"b": 1, "a": {"d": 2, "c": 3}})),
             r#"{"a":{"c":3,"d":2},"b":1}"#
         );
+    }
+
+    #[test]
+    fn bounded_map_forgets_the_oldest() {
+        let mut b = Bounded::new(2);
+        let a = |n: u8| Anchor {
+            session: n.to_string(),
+            source: SessionSource::Content,
+            request: Uuid::nil(),
+        };
+        b.insert([1; 32], a(1));
+        b.insert([2; 32], a(2));
+        b.insert([2; 32], a(2)); // re-insert does not count twice
+        b.insert([3; 32], a(3));
+        assert!(b.get(&[1; 32]).is_none());
+        assert!(b.get(&[2; 32]).is_some() && b.get(&[3; 32]).is_some());
     }
 
     #[test]

@@ -85,11 +85,17 @@ const REQUEST_COLUMNS: &str = "r.id, r.session_id, r.turn_index, r.parent_id, r.
     r.model, r.toggles, r.encoding_report_json, r.prompt_ids, r.output_ids, r.output_text, \
     r.content_text, r.reasoning_text, r.tool_calls_json, r.finish_reason, r.token_times, r.logits, \
     r.prompt_logits, r.prompt_logits_from, r.build_id, r.client_disconnected, r.continuation_hash, \
-    s.source AS session_source, s.client_hint AS session_client_hint";
+    r.probe_json, s.source AS session_source, s.client_hint AS session_client_hint";
 
 impl Store {
     /// Opens the database at `path`, creating the file if it is missing, and applies migrations.
     pub async fn open(path: &Path) -> Result<Store> {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(Error::io(format!(
+                "creating the directory of {}",
+                path.display()
+            )))?;
+        }
         let opts = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)
@@ -249,17 +255,32 @@ impl Store {
 
     /// Every session with a summary, oldest first.
     pub async fn sessions(&self) -> Result<Vec<SessionSummary>> {
-        let rows = sqlx::query(
+        self.session_summaries(None).await
+    }
+
+    /// One session's summary.
+    pub async fn session(&self, id: &str) -> Result<Option<SessionSummary>> {
+        Ok(self.session_summaries(Some(id)).await?.pop())
+    }
+
+    async fn session_summaries(&self, id: Option<&str>) -> Result<Vec<SessionSummary>> {
+        let sql = format!(
             "SELECT s.id, s.source, s.client_hint, s.created_us, COUNT(r.id) AS n, \
              MIN(r.arrival_us) AS first_arrival, MAX(r.end_us) AS last_end, \
              COALESCE(SUM(r.prompt_tokens), 0) AS pt, COALESCE(SUM(r.completion_tokens), 0) AS ct, \
              COALESCE(SUM(CASE WHEN r.status_code <> 200 OR r.error IS NOT NULL THEN 1 ELSE 0 END), 0) AS errors \
-             FROM sessions s LEFT JOIN requests r ON r.session_id = s.id \
+             FROM sessions s LEFT JOIN requests r ON r.session_id = s.id {} \
              GROUP BY s.id ORDER BY s.created_us, s.id",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .map_err(Error::db("listing sessions"))?;
+            if id.is_some() { "WHERE s.id = ?" } else { "" }
+        );
+        let mut q = sqlx::query(&sql);
+        if let Some(id) = id {
+            q = q.bind(id);
+        }
+        let rows = q
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::db("listing sessions"))?;
         rows.iter()
             .map(|r| {
                 Ok(SessionSummary {
@@ -276,11 +297,6 @@ impl Store {
                 })
             })
             .collect()
-    }
-
-    /// One session's summary.
-    pub async fn session(&self, id: &str) -> Result<Option<SessionSummary>> {
-        Ok(self.sessions().await?.into_iter().find(|s| s.id == id))
     }
 
     /// Number of recorded requests.
@@ -352,6 +368,12 @@ async fn insert_one(conn: &mut sqlx::SqliteConnection, rec: &RequestRecord) -> R
         .map(serde_json::to_string)
         .transpose()
         .map_err(Error::json("encoding the encoding report"))?;
+    let probe = rec
+        .probe
+        .as_ref()
+        .map(serde_json::to_string)
+        .transpose()
+        .map_err(Error::json("encoding the probe"))?;
     let out = rec.output.as_ref();
     let tool_calls = out
         .filter(|o| !o.tool_calls.is_empty())
@@ -364,8 +386,8 @@ async fn insert_one(conn: &mut sqlx::SqliteConnection, rec: &RequestRecord) -> R
          toggles, toggles_json, encoding_report_json, prompt_ids, output_ids, output_text, \
          content_text, reasoning_text, tool_calls_json, finish_reason, token_times, logits, \
          prompt_logits, prompt_logits_from, prompt_tokens, completion_tokens, build_id, \
-         client_disconnected, continuation_hash) VALUES \
-         (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+         client_disconnected, continuation_hash, probe_json) VALUES \
+         (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     )
     .bind(&id)
     .bind(rec.session.as_ref().map(|s| s.id.as_str()))
@@ -401,6 +423,7 @@ async fn insert_one(conn: &mut sqlx::SqliteConnection, rec: &RequestRecord) -> R
     .bind(rec.build_id)
     .bind(rec.client_disconnected)
     .bind(&rec.continuation_hash)
+    .bind(probe)
     .execute(&mut *conn)
     .await
     .map_err(Error::db(format!("inserting request {id}")))?;
@@ -550,6 +573,10 @@ fn row_to_record(r: &SqliteRow) -> Result<RequestRecord> {
         prompt_scores,
         build_id: get(r, "build_id")?,
         client_disconnected: get(r, "client_disconnected")?,
+        probe: decode_json("probe_json", get(r, "probe_json")?)?
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(|e| corrupt("probe_json", e.to_string()))?,
         continuation_hash: get(r, "continuation_hash")?,
     })
 }

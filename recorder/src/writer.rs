@@ -180,12 +180,16 @@ impl RecordWriter {
     /// `Drop` it is dropped and under `Wait` a task waits for room (so the caller never does).
     /// Used on request paths, where a response must not wait for the recorder.
     pub fn submit_nowait(&self, record: RequestRecord) -> Submitted {
-        match self.tx.try_send(Msg::Record(Box::new(record))) {
-            Ok(()) => Submitted::Queued,
-            Err(mpsc::error::TrySendError::Full(msg)) if matches!(self.shared.policy, QueuePolicy::Wait(_)) => {
-                let QueuePolicy::Wait(d) = self.shared.policy else {
-                    unreachable!("matched above")
-                };
+        let msg = match self.tx.try_send(Msg::Record(Box::new(record))) {
+            Ok(()) => return Submitted::Queued,
+            Err(mpsc::error::TrySendError::Full(msg)) => msg,
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                return Submitted::Dropped;
+            }
+        };
+        match self.shared.policy {
+            QueuePolicy::Wait(d) => {
                 let this = self.clone();
                 tokio::spawn(async move {
                     if this.tx.send_timeout(msg, d).await.is_err() {
@@ -194,7 +198,7 @@ impl RecordWriter {
                 });
                 Submitted::Queued
             }
-            Err(_) => {
+            QueuePolicy::Drop => {
                 self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
                 Submitted::Dropped
             }

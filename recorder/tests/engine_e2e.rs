@@ -13,9 +13,10 @@ use common::temp_store;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use tapedeck_engine::chat::EncodeOptions;
+use tapedeck_engine::scheduler::SchedulerConfig;
 use tapedeck_engine::{ChatMessage, Engine};
 use tapedeck_recorder::server::{run, AppOptions, AppState};
-use tapedeck_recorder::{EngineBackend, RequestRecord};
+use tapedeck_recorder::{EngineBackend, RequestRecord, SchedulerBackend};
 use tokio::sync::oneshot;
 
 fn model_dir(name: &str) -> PathBuf {
@@ -33,10 +34,24 @@ struct Server {
     _dir: tempfile::TempDir,
 }
 
-async fn start(model: &str) -> Server {
+/// Which backend a test runs on: every test body below runs on both (see `on_every_backend!`).
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    /// `EngineBackend`: one generation at a time.
+    Serial,
+    /// `SchedulerBackend`: continuous batching with a prefix cache.
+    Batched,
+}
+
+async fn start(model: &str, kind: Kind) -> Server {
     let engine = Arc::new(Engine::load(&model_dir(model)).expect("fixture model loads"));
     let (dir, store) = temp_store().await;
-    let backend = Arc::new(EngineBackend::new(engine.clone(), 16));
+    let backend: Arc<dyn tapedeck_recorder::Backend> = match kind {
+        Kind::Serial => Arc::new(EngineBackend::new(engine.clone(), 16)),
+        Kind::Batched => {
+            Arc::new(SchedulerBackend::start(engine.clone(), SchedulerConfig::default()).unwrap())
+        }
+    };
     let state = AppState::new(backend, store, AppOptions::default())
         .await
         .unwrap();
@@ -106,9 +121,8 @@ fn messages() -> Value {
     ])
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn qwen2_chat_is_recorded_as_served() {
-    let server = start("tiny-qwen2").await;
+async fn qwen2_chat_is_recorded_as_served(kind: Kind) {
+    let server = start("tiny-qwen2", kind).await;
     let body = json!({"model": "tiny-qwen2", "messages": messages(), "temperature": 0, "max_tokens": 12,
                       "logprobs": true, "top_logprobs": 2});
     let resp = server.post("/v1/chat/completions", body.clone()).await;
@@ -185,9 +199,8 @@ async fn qwen2_chat_is_recorded_as_served() {
     server.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn scoring_the_recorded_output_reproduces_its_logprobs() {
-    let server = start("tiny-qwen2").await;
+async fn scoring_the_recorded_output_reproduces_its_logprobs(kind: Kind) {
+    let server = start("tiny-qwen2", kind).await;
     let resp = server
         .post(
             "/v1/chat/completions",
@@ -232,9 +245,8 @@ async fn scoring_the_recorded_output_reproduces_its_logprobs() {
     server.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tools_reach_the_template_and_the_report() {
-    let server = start("tiny-qwen2").await;
+async fn tools_reach_the_template_and_the_report(kind: Kind) {
+    let server = start("tiny-qwen2", kind).await;
     let tools = json!([{"type": "function", "function": {"name": "read", "description": "Read a file",
         "parameters": {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
                        "properties": {"path": {"type": "string"}}}}}]);
@@ -268,9 +280,8 @@ async fn tools_reach_the_template_and_the_report() {
     server.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn llama_serves_too() {
-    let server = start("tiny-llama").await;
+async fn llama_serves_too(kind: Kind) {
+    let server = start("tiny-llama", kind).await;
     let v: Value = server
         .post(
             "/v1/chat/completions",
@@ -292,9 +303,8 @@ async fn llama_serves_too() {
     server.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn disconnect_cancels_the_engine() {
-    let server = start("tiny-qwen2").await;
+async fn disconnect_cancels_the_engine(kind: Kind) {
+    let server = start("tiny-qwen2", kind).await;
     let max = 4000;
     let resp = server
         .post(
@@ -321,3 +331,158 @@ async fn disconnect_cancels_the_engine() {
     assert!(out.token_ids.len() < max, "the engine ran to max_tokens");
     server.stop().await;
 }
+
+#[tokio::test]
+async fn engine_backend_refuses_beyond_its_queue() {
+    use tapedeck_recorder::backend::{Backend, BackendError};
+    let engine = Arc::new(Engine::load(&model_dir("tiny-qwen2")).unwrap());
+    let backend = EngineBackend::new(engine, 2);
+    let req = tapedeck_engine::GenerateRequest {
+        prompt: vec![1, 2, 3],
+        sampling: Default::default(),
+        stop: tapedeck_engine::StopCriteria {
+            max_tokens: 2,
+            ..Default::default()
+        },
+        top_k_summary: 8,
+        toggles: Default::default(),
+    };
+    // On this single-threaded runtime the spawned generations cannot take the engine before we
+    // yield, so both stay queued and the third is refused.
+    let mut g1 = backend.generate(req.clone()).unwrap();
+    let mut g2 = backend.generate(req.clone()).unwrap();
+    assert_eq!(backend.load().queued, 2);
+    match backend.generate(req.clone()) {
+        Err(BackendError::Overloaded { queued: 2, .. }) => {}
+        other => panic!("expected Overloaded, got {other:?}"),
+    }
+    // Both admitted generations complete, one after the other.
+    for g in [&mut g1, &mut g2] {
+        let mut tokens = 0;
+        loop {
+            match g.next().await {
+                Some(tapedeck_recorder::backend::GenEvent::Token(_)) => tokens += 1,
+                Some(tapedeck_recorder::backend::GenEvent::Done(out)) => {
+                    assert_eq!(out.tokens.len(), tokens);
+                    break;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert_eq!(backend.load(), Default::default());
+    assert!(backend.generate(req).is_ok());
+}
+
+async fn concurrent_requests_are_all_served_and_recorded(kind: Kind) {
+    let server = Arc::new(start("tiny-qwen2", kind).await);
+    let mut tasks = Vec::new();
+    for i in 0..6 {
+        let s = server.clone();
+        tasks.push(tokio::spawn(async move {
+            let body = json!({"messages": [{"role": "user", "content": format!("request {i}")}],
+                              "max_tokens": 6, "stream": i % 2 == 0, "temperature": 0});
+            let resp = s.post("/v1/chat/completions", body).await;
+            assert_eq!(resp.status(), 200);
+            resp.text().await.unwrap()
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let recs = server.records().await;
+    assert_eq!(recs.len(), 6);
+    for r in &recs {
+        assert_eq!(r.status, 200);
+        assert!(!r.client_disconnected);
+        let first = r.first_token_us().unwrap();
+        assert!(r.arrival_us <= first && first <= r.end_us);
+    }
+    // Six different conversations: six sessions.
+    assert_eq!(server.state.store().sessions().await.unwrap().len(), 6);
+    let Ok(server) = Arc::try_unwrap(server) else {
+        panic!("server still shared")
+    };
+    server.stop().await;
+}
+
+/// A multi-turn session through the batching scheduler reuses the cached prefix of the previous
+/// turn, and `/metrics` shows it.
+async fn prefix_cache_hits_show_in_metrics(kind: Kind) {
+    let server = start("tiny-qwen2", kind).await;
+    let sys = json!({"role": "system", "content": "You are a careful assistant. ".repeat(20)});
+    let first = json!([sys, {"role": "user", "content": "first question"}]);
+    let v: Value = server
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": first, "max_tokens": 4, "temperature": 0}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    let answer = v["choices"][0]["message"]["content"].clone();
+    let second = json!([sys, {"role": "user", "content": "first question"},
+                        {"role": "assistant", "content": answer},
+                        {"role": "user", "content": "second question"}]);
+    let resp = server
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": second, "max_tokens": 4, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    let metrics = reqwest::get(format!("{}/metrics", server.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let hits = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tapedeck_prefix_cache_hit_tokens_total "))
+        .map(|v| v.parse::<u64>().unwrap());
+    match kind {
+        Kind::Serial => assert_eq!(hits, None, "the serial backend has no prefix cache"),
+        Kind::Batched => assert!(hits.unwrap() > 0, "{metrics}"),
+    }
+    let recs = server.records().await;
+    assert_eq!(
+        recs[1].session.as_ref().unwrap().turn,
+        1,
+        "stitched into one session"
+    );
+    server.stop().await;
+}
+
+/// Runs each test body on every backend.
+macro_rules! on_every_backend {
+    ($($name:ident),* $(,)?) => {
+        mod serial {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Kind::Serial).await
+                }
+            )*
+        }
+        mod batched {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Kind::Batched).await
+                }
+            )*
+        }
+    };
+}
+
+on_every_backend!(
+    qwen2_chat_is_recorded_as_served,
+    scoring_the_recorded_output_reproduces_its_logprobs,
+    tools_reach_the_template_and_the_report,
+    llama_serves_too,
+    disconnect_cancels_the_engine,
+    concurrent_requests_are_all_served_and_recorded,
+    prefix_cache_hits_show_in_metrics,
+);

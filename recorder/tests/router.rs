@@ -297,7 +297,7 @@ async fn chat_non_stream_with_reasoning_and_tool_calls() {
 async fn chat_stop_and_length_finish_reasons() {
     let backend = Arc::new(Scripted::new(4096));
     backend.script(&["a|b|c|d"]);
-    let (_d, state) = app_with(backend).await;
+    let (_d, state) = app_with(backend.clone()).await;
     let m = json!([{"role": "user", "content": "hi"}]);
     let (_, v) = post(
         &state,
@@ -317,6 +317,27 @@ async fn chat_stop_and_length_finish_reasons() {
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert_eq!(v["choices"][0]["message"]["content"], "abcd");
     assert!(v["choices"][0]["message"].get("tool_calls").is_none());
+    // tool_choice "none" hides the tools from the template.
+    let tools = json!([{"type": "function", "function": {"name": "ls", "parameters": {}}}]);
+    post(
+        &state,
+        "/v1/chat/completions",
+        json!({"messages": m, "tools": tools, "tool_choice": "none"}),
+    )
+    .await;
+    post(
+        &state,
+        "/v1/chat/completions",
+        json!({"messages": m, "tools": tools, "tool_choice": "auto"}),
+    )
+    .await;
+    let prompts = backend.prompts.lock().unwrap().clone();
+    let text = |p: &Vec<u32>| p.iter().map(|&b| b as u8 as char).collect::<String>();
+    assert!(!text(&prompts[2]).contains("[1 tools]"));
+    assert!(text(&prompts[3]).contains("[1 tools]"));
+    let recs = records(&state).await;
+    assert_eq!(recs[2].kind, RequestKind::Other);
+    assert_eq!(recs[3].kind, RequestKind::Agent);
 }
 
 #[tokio::test]
@@ -387,6 +408,11 @@ async fn models_health_metrics_and_unknown_routes() {
     assert_eq!(s, StatusCode::OK);
     assert_eq!(v["data"][0]["id"], "scripted");
     assert_eq!(v["data"][0]["max_model_len"], 4096);
+    let (s, v, _) = call(&state, "GET", "/v1/models/scripted", Body::empty()).await;
+    assert_eq!((s, v["id"].as_str()), (StatusCode::OK, Some("scripted")));
+    let (s, v, _) = call(&state, "GET", "/v1/models/other", Body::empty()).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_openai_error(&v, Some("model_not_found"));
     let (s, v, _) = call(&state, "GET", "/health", Body::empty()).await;
     assert_eq!((s, v["status"].as_str()), (StatusCode::OK, Some("ok")));
     post(
@@ -421,4 +447,79 @@ async fn models_health_metrics_and_unknown_routes() {
     let (s, v, _) = call(&state, "GET", "/v2/nothing", Body::empty()).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
     assert_openai_error(&v, None);
+}
+
+/// Never panic on input: random bytes and randomly mangled requests all get an answer in OpenAI's
+/// shape (or a 200), and every one of them is recorded.
+#[tokio::test]
+async fn random_bodies_never_panic_and_are_all_recorded() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let backend = Arc::new(Scripted::new(256));
+    backend.script(&["ok"]);
+    let (_d, state) = app_with(backend).await;
+    let valid = json!({
+        "model": "scripted",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "max_tokens": 3,
+        "stop": ["x"],
+        "logprobs": true,
+        "top_logprobs": 2,
+    })
+    .to_string();
+    let junk = [
+        "null", "[]", "{}", "1e999", "\"s\"", "-1", "true", "{\"a\":", "[[[[[[[[", "\u{0}",
+        "\u{fffd}",
+    ];
+    let n = 300;
+    for i in 0..n {
+        let body: Vec<u8> = match rng.random_range(0..4) {
+            0 => (0..rng.random_range(0..64)).map(|_| rng.random()).collect(),
+            1 => {
+                // Replace a random slice of a valid request with junk.
+                let mut s = valid.clone();
+                let a = rng.random_range(0..s.len());
+                let b = (a + rng.random_range(0..20)).min(s.len());
+                if s.is_char_boundary(a) && s.is_char_boundary(b) {
+                    s.replace_range(a..b, junk[rng.random_range(0..junk.len())]);
+                }
+                s.into_bytes()
+            }
+            2 => {
+                // A valid request with one field set to a value of the wrong type.
+                let mut v: Value = serde_json::from_str(&valid).unwrap();
+                let keys = [
+                    "model",
+                    "messages",
+                    "tools",
+                    "max_tokens",
+                    "stop",
+                    "logprobs",
+                    "top_logprobs",
+                    "temperature",
+                    "seed",
+                    "stream_options",
+                    "tool_choice",
+                    "prompt",
+                ];
+                let k = keys[rng.random_range(0..keys.len())];
+                let j = junk[rng.random_range(0..7)];
+                v[k] = serde_json::from_str(j).unwrap_or(Value::Null);
+                v.to_string().into_bytes()
+            }
+            _ => valid.clone().into_bytes(),
+        };
+        let path = if i % 3 == 0 {
+            "/v1/completions"
+        } else {
+            "/v1/chat/completions"
+        };
+        let (s, v, _) = call(&state, "POST", path, Body::from(body)).await;
+        assert!(s.is_success() || s.is_client_error(), "{s}: {v}");
+        if !s.is_success() {
+            assert_openai_error(&v, None);
+        }
+    }
+    assert_eq!(records(&state).await.len(), n);
 }

@@ -96,6 +96,17 @@ async fn export_import_round_trip() {
     assert_eq!(r0.build.as_ref().unwrap().backend, "scripted");
     assert_eq!(r0.status, Some(200));
 
+    // Human-readable renderings for the CLI.
+    let table = sessions::render_list(&sessions::list(&store).await.unwrap());
+    assert_eq!(table.lines().count(), 3, "{table}");
+    eprintln!("{table}");
+    let shown = sessions::render_session(&sessions::show(&store, &s.session.id).await.unwrap());
+    assert!(
+        shown.contains("#0") && shown.contains("#1") && shown.contains("Bye."),
+        "{shown}"
+    );
+    eprintln!("{shown}");
+
     // Import into a fresh database, export again: the same bytes.
     let (_d2, store2) = temp_store().await;
     let report = sessions::import(&store2, text.as_bytes()).await.unwrap();
@@ -120,6 +131,7 @@ async fn a_minimal_generated_line_imports_and_keeps_stitching() {
                 "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "list files"}],
                 "tools": [{"type": "function", "function": {"name": "ls", "parameters": {}}}],
                 "params": {"temperature": 0},
+                "probe": {"must_contain": ["a.txt"], "needle_position": 17, "label": "needle@17:user"},
                 "response": {"content": "", "tool_calls": [{"id": "call_a", "type": "function",
                              "function": {"name": "ls", "arguments": "{}"}}], "finish_reason": "tool_calls"}
             }
@@ -136,6 +148,10 @@ async fn a_minimal_generated_line_imports_and_keeps_stitching() {
     assert_eq!(r.kind, Some(RequestKind::Agent), "classified on import");
     assert_eq!(r.stitch, Some(StitchMethod::Import));
     assert!(r.id.is_some());
+    // The probe survives the database: replays from the DB keep it.
+    let probe = r.probe.as_ref().expect("probe kept");
+    assert_eq!(probe.must_contain, ["a.txt"]);
+    assert_eq!(probe.needle_position, Some(17));
 
     // A server started on this database continues the imported session.
     let backend = Arc::new(Scripted::new(4096));

@@ -326,4 +326,15 @@ fn classification_heuristics() {
     let plain = msgs(json!([{"role": "user", "content": "What is 2+2?"}]));
     assert_eq!(classify(&plain, false), RequestKind::Other);
     assert_eq!(classify(&plain, true), RequestKind::Agent);
+    // A long agent prompt that mentions summaries and the conversation deep inside (as opencode's
+    // does: "...avoid summarizing your action...") is still an agent turn: only the persona
+    // opening of the system prompt counts.
+    let mut long = system_prompt();
+    long.push_str("\nDo not add a summary of the conversation unless asked. Never write a title.");
+    let agent = msgs(json!([
+        {"role": "system", "content": long},
+        {"role": "user", "content": "fix the tests"}
+    ]));
+    assert_eq!(classify(&agent, true), RequestKind::Agent);
+    assert_eq!(classify(&agent, false), RequestKind::Other);
 }

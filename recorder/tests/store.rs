@@ -60,7 +60,8 @@ async fn error_record_without_output_round_trips() {
 #[tokio::test]
 async fn reopening_keeps_records_and_migrations_are_idempotent() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nested-is-fine.db");
+    // A missing parent directory is created.
+    let path = dir.path().join("not/yet/there.db");
     let rec = full_record(0);
     {
         let store = Store::open(&path).await.unwrap();

@@ -10,7 +10,8 @@
 //! * [`metrics`]: pure speed and fidelity arithmetic (HDR histograms, drift, KL from top-k).
 //! * [`report`]: the serializable [`RunSummary`].
 //!
-//! The CLI calls [`replay`] (see `replayer/FORMAT.md` for the file formats).
+//! The CLI builds a [`ReplayJob`] and calls [`run_job`]; [`replay`] is the same loop over sessions
+//! and a target already in hand. File formats: `replayer/FORMAT.md`.
 
 pub mod error;
 pub mod history;
@@ -23,6 +24,6 @@ pub mod target;
 pub use error::{Error, Result};
 pub use history::HistoryMode;
 pub use report::{Pacing, RunSummary};
-pub use run::{replay, ReplayConfig};
+pub use run::{replay, run_job, ReplayConfig, ReplayJob};
 pub use session::{Session, SessionFilter, SessionSource, Turn};
 pub use target::{EngineTarget, HttpTarget, Target, TargetOptions};

@@ -7,6 +7,7 @@
 //! (teacher forcing). Cancellation (`watch` channel set to `true`, e.g. on Ctrl-C) stops new
 //! turns, abandons the ones in flight and returns everything that finished.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -24,8 +25,8 @@ use crate::report::{
     FidelitySummary, OutputFidelity, Pacing, PromptFidelity, RunSettings, RunSummary, SessionRow,
     TurnDrift, TurnRow, RUN_FORMAT,
 };
-use crate::session::{Session, Turn};
-use crate::target::{GenOptions, Target, TurnOutput};
+use crate::session::{Session, SessionFilter, SessionSource, Turn};
+use crate::target::{GenOptions, Target, TargetOptions, TurnOutput};
 
 /// Called after every finished turn (progress bars, live logs).
 pub type ProgressFn = dyn Fn(&TurnRow) + Send + Sync;
@@ -304,6 +305,7 @@ async fn run_session(
     let gen = GenOptions {
         top_k: cfg.top_k,
         max_tokens_cap: cfg.max_tokens_cap,
+        session_id: Some(session.id.clone()),
     };
     let mut results: Vec<TurnResult> = Vec::new();
     let mut answers: Vec<(usize, tapedeck_engine::ChatMessage)> = Vec::new();
@@ -326,7 +328,7 @@ async fn run_session(
                 .collect();
             request.messages = self_history(&turn.request.messages, &earlier);
         }
-        let chat = target.chat(request, gen);
+        let chat = target.chat(request, gen.clone());
         let outcome = tokio::select! {
             r = chat => Some(r),
             _ = cancelled(cancel.clone()) => None,
@@ -472,6 +474,40 @@ pub async fn replay(
         started,
         done.into_iter().map(|(_, r, t)| (r, t)).collect(),
     )
+}
+
+/// Everything `tapedeck replay` asks for: where sessions come from, which target, how to replay,
+/// and where to write the summary.
+#[derive(Debug, Clone)]
+pub struct ReplayJob {
+    /// Sessions: a `tapedeck.session.v1` JSONL file or a recording database.
+    pub sessions: SessionSource,
+    /// Which sessions.
+    pub filter: SessionFilter,
+    /// Target spec: `engine:DIR?toggles` or an `http(s)://` base URL.
+    pub target: String,
+    /// How to open the target (model-name resolver, threads, scheduler limits).
+    pub target_options: TargetOptions,
+    /// How to replay.
+    pub config: ReplayConfig,
+    /// Write the run summary here as JSON (also written when the run was cancelled).
+    pub json: Option<PathBuf>,
+}
+
+/// Loads sessions, opens the target, replays and writes the summary: the whole of
+/// `tapedeck replay`. Model loading runs on a blocking thread so the runtime stays responsive
+/// (Ctrl-C is honoured while a large model loads only once the load returns).
+pub async fn run_job(job: &ReplayJob, cancel: watch::Receiver<bool>) -> Result<RunSummary> {
+    let sessions = job.sessions.load(&job.filter).await?;
+    let (spec, opts) = (job.target.clone(), job.target_options.clone());
+    let target = tokio::task::spawn_blocking(move || crate::target::open(&spec, &opts))
+        .await
+        .map_err(|e| Error::Generation(format!("target loading task failed: {e}")))??;
+    let summary = replay(sessions, target, &job.config, cancel).await?;
+    if let Some(path) = &job.json {
+        crate::report::write_json(path, &summary)?;
+    }
+    Ok(summary)
 }
 
 #[allow(clippy::too_many_arguments)]

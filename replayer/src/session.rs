@@ -227,7 +227,7 @@ impl SessionFilter {
     pub fn apply(&self, sessions: Vec<Session>) -> Vec<Session> {
         let mut kept: Vec<Session> = sessions
             .into_iter()
-            .filter(|s| self.ids.is_empty() || self.ids.iter().any(|i| *i == s.id))
+            .filter(|s| self.ids.is_empty() || self.ids.contains(&s.id))
             .filter(|s| s.turns.len() >= self.min_turns)
             .collect();
         if let Some(n) = self.sample {
@@ -417,7 +417,7 @@ pub async fn load_db(path: &Path, filter: &SessionFilter) -> Result<Vec<Session>
     let summaries = store.sessions().await?;
     let mut sessions = Vec::new();
     for s in summaries {
-        if !filter.ids.is_empty() && !filter.ids.iter().any(|i| *i == s.id) {
+        if !filter.ids.is_empty() && !filter.ids.contains(&s.id) {
             continue;
         }
         let records = store.session_requests(&s.id).await?;

@@ -46,9 +46,33 @@ const NOUNS: &[&str] = &[
 ];
 
 const VERBS: &[&str] = &[
-    "parse", "load", "store", "fetch", "build", "render", "apply", "merge", "split", "validate",
-    "resolve", "encode", "decode", "flush", "drain", "collect", "compute", "update", "insert",
-    "remove", "normalize", "register", "dispatch", "schedule", "retry", "compare", "measure",
+    "parse",
+    "load",
+    "store",
+    "fetch",
+    "build",
+    "render",
+    "apply",
+    "merge",
+    "split",
+    "validate",
+    "resolve",
+    "encode",
+    "decode",
+    "flush",
+    "drain",
+    "collect",
+    "compute",
+    "update",
+    "insert",
+    "remove",
+    "normalize",
+    "register",
+    "dispatch",
+    "schedule",
+    "retry",
+    "compare",
+    "measure",
 ];
 
 const ADJS: &[&str] = &[
@@ -193,7 +217,11 @@ impl TextGen {
         }
         let files = match lang {
             Lang::Rust => {
-                let mut f = vec!["Cargo.toml".to_string(), "src/main.rs".into(), "src/lib.rs".into()];
+                let mut f = vec![
+                    "Cargo.toml".to_string(),
+                    "src/main.rs".into(),
+                    "src/lib.rs".into(),
+                ];
                 f.extend(stems.iter().map(|s| format!("src/{s}.rs")));
                 f.push(format!("tests/{}.rs", stems[0]));
                 f
@@ -264,7 +292,10 @@ impl TextGen {
 
     /// `n` sentences joined into a paragraph.
     pub fn paragraph(&mut self, n: usize) -> String {
-        (0..n).map(|_| self.sentence()).collect::<Vec<_>>().join(" ")
+        (0..n)
+            .map(|_| self.sentence())
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 
     /// Source code of about `lines` lines in the project's language.
@@ -326,7 +357,10 @@ impl TextGen {
                 format!("    let mut {} = BTreeMap::new();", self.noun()),
                 format!("    for (i, item) in {arg}.{field}.iter().enumerate() {{"),
                 "        if i >= limit {".into(),
-                format!("            return Err(Error::{}(i));", camel(&self.ident())),
+                format!(
+                    "            return Err(Error::{}(i));",
+                    camel(&self.ident())
+                ),
                 "        }".into(),
                 format!("        {}.insert(*item, i);", self.noun()),
                 "    }".into(),
@@ -367,7 +401,10 @@ impl TextGen {
                 format!("    {} = {{}}", self.noun()),
                 format!("    for i, item in enumerate({arg}.{field}):"),
                 "        if i >= limit:".into(),
-                format!("            raise ValueError(f\"{} overflow at {{i}}\")", self.noun()),
+                format!(
+                    "            raise ValueError(f\"{} overflow at {{i}}\")",
+                    self.noun()
+                ),
                 format!("        {}[item] = i", self.noun()),
                 format!("    return len({arg}.{field})"),
             ],
@@ -399,7 +436,10 @@ impl TextGen {
                 format!("  const seen = new Map<number, number>();"),
                 format!("  {arg}.{field}.forEach((item, i) => {{"),
                 "    if (i >= limit) {".into(),
-                format!("      throw new Error(`{} overflow at ${{i}}`);", self.noun()),
+                format!(
+                    "      throw new Error(`{} overflow at ${{i}}`);",
+                    self.noun()
+                ),
                 "    }".into(),
                 "    seen.set(item, i);".into(),
                 "  });".into(),
@@ -551,7 +591,9 @@ impl TextGen {
                 let f = self.source_file(p);
                 out.push_str(&format!("\tmodified:   {f}\n"));
             }
-            out.push_str("\nno changes added to commit (use \"git add\" and/or \"git commit -a\")\n");
+            out.push_str(
+                "\nno changes added to commit (use \"git add\" and/or \"git commit -a\")\n",
+            );
             out
         } else {
             let mut out = String::new();
@@ -584,7 +626,11 @@ impl TextGen {
         }
         for d in dirs {
             out.push_str(&format!("  {d}/\n"));
-            for f in p.files.iter().filter(|f| f.rsplit_once('/').map(|x| x.0) == Some(d)) {
+            for f in p
+                .files
+                .iter()
+                .filter(|f| f.rsplit_once('/').map(|x| x.0) == Some(d))
+            {
                 let base = f.rsplit_once('/').map_or(f.as_str(), |x| x.1);
                 out.push_str(&format!("    {base}\n"));
             }

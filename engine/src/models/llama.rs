@@ -599,12 +599,14 @@ struct LayerKv<'a> {
     hd: usize,
 }
 
-impl LayerKv<'_> {
-    #[inline]
-    fn offset(&self, blocks: &[u32], pos: usize, kvh: usize) -> usize {
-        let slot = blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size;
-        slot * self.kv_dim + kvh * self.hd
-    }
+/// Scratch buffers of [`attend`]: (scores, positions, query, key).
+type AttnScratch = (Vec<f32>, Vec<usize>, Vec<f32>, Vec<f32>);
+
+thread_local! {
+    /// Per-thread scratch of [`attend`], grown as needed and reused, so attention allocates
+    /// nothing per call once warm.
+    static ATTN_SCRATCH: std::cell::RefCell<AttnScratch> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// Attention of one query head over the first `ctx` positions of its KV head (`hide`: one
@@ -621,38 +623,71 @@ fn attend(
     toggles: &Toggles,
     out: &mut [f32],
 ) {
+    ATTN_SCRATCH.with(|cell| {
+        let mut guard = cell.borrow_mut();
+        let (scores, positions, qv, kbuf) = &mut *guard;
+        attend_with(
+            q, kv, blocks, ctx, hide, kvh, decode, toggles, out, scores, positions, qv, kbuf,
+        );
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attend_with(
+    q: &[f32],
+    kv: &LayerKv<'_>,
+    blocks: &[u32],
+    ctx: usize,
+    hide: Option<usize>,
+    kvh: usize,
+    decode: bool,
+    toggles: &Toggles,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+    positions: &mut Vec<usize>,
+    qv: &mut Vec<f32>,
+    kbuf: &mut Vec<f32>,
+) {
     let hd = kv.hd;
+    let bs = kv.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
     let bf16 = toggles.attn_scores == Precision::Bf16;
-    let mut qv = q.to_vec();
-    let mut kbuf = vec![0.0f32; hd];
+    qv.clear();
+    qv.extend_from_slice(q);
+    kbuf.clear();
+    kbuf.resize(hd, 0.0);
     if bf16 {
-        round_bf16_slice(&mut qv);
+        round_bf16_slice(qv);
     }
-    // (ctx) scores
-    let mut scores: Vec<f32> = (0..ctx)
-        .map(|j| {
-            let o = kv.offset(blocks, j, kvh);
+    // Row offset of position `j` of this KV head: blocks are walked once, not divided per j.
+    let offset = |j: usize| (blocks[j / bs] as usize * bs + j % bs) * kv.kv_dim + kvh * hd;
+    scores.clear();
+    for (b, &block) in blocks.iter().enumerate().take(ctx.div_ceil(bs)) {
+        let base = block as usize * bs;
+        let n = bs.min(ctx - b * bs);
+        for off in 0..n {
+            let o = (base + off) * kv.kv_dim + kvh * hd;
             let kj = &kv.k[o..o + hd];
             let d = if bf16 {
-                for (b, &v) in kbuf.iter_mut().zip(kj) {
-                    *b = round_bf16(v);
+                for (dst, &v) in kbuf.iter_mut().zip(kj) {
+                    *dst = round_bf16(v);
                 }
-                crate::numerics::dot(&qv, &kbuf)
+                crate::numerics::dot(qv, kbuf)
             } else {
-                crate::numerics::dot(&qv, kj)
+                crate::numerics::dot(qv, kj)
             };
-            d * scale
-        })
-        .collect();
-    let mut positions: Vec<usize> = (0..ctx).filter(|&j| Some(j) != hide).collect();
+            scores.push(d * scale);
+        }
+    }
+    positions.clear();
+    positions.extend((0..ctx).filter(|&j| Some(j) != hide));
     // Sparse decode attention: keep the N highest-scoring positions (ties to the earlier one).
     if let (true, Some(nk)) = (decode, toggles.decode_topk) {
         let nk = nk.get();
         if positions.len() > nk {
-            positions.select_nth_unstable_by(nk - 1, |&a, &b| {
-                scores[b].total_cmp(&scores[a]).then(a.cmp(&b))
-            });
+            let sc = &*scores;
+            positions
+                .select_nth_unstable_by(nk - 1, |&a, &b| sc[b].total_cmp(&sc[a]).then(a.cmp(&b)));
             positions.truncate(nk);
             positions.sort_unstable();
         }
@@ -661,19 +696,19 @@ fn attend(
         .iter()
         .fold(f32::NEG_INFINITY, |m, &j| m.max(scores[j]));
     let mut sum = 0.0f32;
-    for &j in &positions {
+    for &j in positions.iter() {
         let p = (scores[j] - max).exp();
         scores[j] = p;
         sum += p;
     }
     out.iter_mut().for_each(|o| *o = 0.0);
-    for &j in &positions {
+    for &j in positions.iter() {
         let p = if bf16 {
             round_bf16(scores[j])
         } else {
             scores[j]
         };
-        let o = kv.offset(blocks, j, kvh);
+        let o = offset(j);
         let vj = &kv.v[o..o + hd];
         if bf16 {
             for (o, &v) in out.iter_mut().zip(vj) {

@@ -381,9 +381,15 @@ impl Protocol for ChatProtocol {
                 "usage": usage,
             }));
         }
+        // OpenAI sends `content: null` beside tool calls when there is no text.
+        let content = if split.content.is_empty() && !split.tool_calls.is_empty() {
+            Value::Null
+        } else {
+            Value::String(split.content.clone())
+        };
         let mut message = json!({
             "role": "assistant",
-            "content": split.content,
+            "content": content,
         });
         if let Some(r) = &split.reasoning {
             message["reasoning_content"] = json!(r);

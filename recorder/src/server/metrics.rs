@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::backend::Load;
+use crate::backend::{CacheStats, Load};
 use crate::writer::WriterStats;
 
 /// A histogram with fixed upper bounds (seconds); the sum is kept in microseconds.
@@ -112,7 +112,7 @@ impl Metrics {
     }
 
     /// The text exposition, with the backend's load and the writer's counters as of now.
-    pub fn render(&self, load: Load, writer: WriterStats) -> String {
+    pub fn render(&self, load: Load, cache: Option<CacheStats>, writer: WriterStats) -> String {
         let mut out = String::new();
         let counter = |out: &mut String, name: &str, help: &str, v: u64| {
             let _ = writeln!(
@@ -181,6 +181,32 @@ impl Metrics {
             "Requests waiting for the engine.",
             load.queued as u64,
         );
+        if let Some(c) = cache {
+            counter(
+                &mut out,
+                "tapedeck_prefix_cache_hit_tokens_total",
+                "Prompt tokens served from the prefix cache.",
+                c.prefix_hit_tokens,
+            );
+            counter(
+                &mut out,
+                "tapedeck_prefill_tokens_total",
+                "Prompt tokens that had to be prefilled.",
+                c.prefill_tokens,
+            );
+            gauge(
+                &mut out,
+                "tapedeck_kv_blocks_used",
+                "KV cache blocks in use.",
+                c.kv_blocks_used,
+            );
+            gauge(
+                &mut out,
+                "tapedeck_kv_blocks_total",
+                "KV cache blocks in the pool.",
+                c.kv_blocks_total,
+            );
+        }
         gauge(
             &mut out,
             "tapedeck_recorder_queue_depth",

@@ -23,19 +23,20 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::HeaderMap;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde_json::{json, Value};
+use tapedeck_engine::scheduler::SchedulerConfig;
 use tapedeck_engine::{Engine, Toggles};
 use tokio::net::TcpListener;
 
 pub use error::ApiError;
 
-use crate::backend::{Backend, EngineBackend};
+use crate::backend::{Backend, EngineBackend, SchedulerBackend};
 use crate::error::{Error, Result};
 use crate::record::{now_us, BuildInfo, Endpoint, RequestRecord};
 use crate::stitch::Stitcher;
@@ -82,8 +83,11 @@ pub struct ServeConfig {
     pub db: PathBuf,
     /// Model directory to load.
     pub model: PathBuf,
-    /// Requests allowed to wait for the engine before 429.
+    /// Requests allowed to wait for the engine before 429 (one-at-a-time backend).
     pub max_queued_requests: usize,
+    /// Serve through the engine's continuous-batching scheduler (with its prefix cache) instead
+    /// of one generation at a time. `None`: one at a time.
+    pub scheduler: Option<SchedulerConfig>,
     /// HTTP-layer options.
     pub app: AppOptions,
 }
@@ -96,6 +100,7 @@ impl ServeConfig {
             db: PathBuf::from("tapedeck.db"),
             model: model.into(),
             max_queued_requests: 256,
+            scheduler: None,
             app: AppOptions::default(),
         }
     }
@@ -351,20 +356,28 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Api
     })
 }
 
-async fn models(State(state): State<AppState>) -> Response {
+fn model_card(state: &AppState) -> Value {
     let info = state.backend().info();
-    axum::Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.model_name(),
-            "object": "model",
-            "created": state.0.started_unix,
-            "owned_by": "tapedeck",
-            "root": info.model_id,
-            "max_model_len": info.context_len,
-        }],
-    }))
-    .into_response()
+    json!({
+        "id": state.model_name(),
+        "object": "model",
+        "created": state.0.started_unix,
+        "owned_by": "tapedeck",
+        "root": info.model_id,
+        "max_model_len": info.context_len,
+    })
+}
+
+async fn models(State(state): State<AppState>) -> Response {
+    axum::Json(json!({"object": "list", "data": [model_card(&state)]})).into_response()
+}
+
+async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    if state.serves(&id) {
+        axum::Json(model_card(&state)).into_response()
+    } else {
+        ApiError::model_not_found(&id).into_response()
+    }
 }
 
 async fn health(State(state): State<AppState>) -> Response {
@@ -381,9 +394,12 @@ async fn health(State(state): State<AppState>) -> Response {
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {
-    let body = state
-        .metrics()
-        .render(state.backend().load(), state.writer().stats());
+    let backend = state.backend();
+    let body = state.metrics().render(
+        backend.load(),
+        backend.cache_stats(),
+        state.writer().stats(),
+    );
     (
         [(
             axum::http::header::CONTENT_TYPE,
@@ -410,6 +426,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat::handle))
         .route("/v1/completions", post(completions::handle))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
@@ -451,9 +468,16 @@ pub async fn serve(config: ServeConfig) -> Result<WriterStats> {
     let engine = tokio::task::spawn_blocking(move || Engine::load(&dir))
         .await
         .map_err(|e| Error::Config(format!("model loading task failed: {e}")))??;
-    let backend = EngineBackend::new(Arc::new(engine), config.max_queued_requests);
+    let engine = Arc::new(engine);
+    let backend: Arc<dyn Backend> = match config.scheduler.clone() {
+        None => Arc::new(EngineBackend::new(engine, config.max_queued_requests)),
+        Some(cfg) => Arc::new(
+            SchedulerBackend::start(engine, cfg)
+                .map_err(|e| Error::Config(format!("cannot start the scheduler: {e}")))?,
+        ),
+    };
     let store = Store::open(&config.db).await?;
-    let state = AppState::new(Arc::new(backend), store, config.app.clone()).await?;
+    let state = AppState::new(backend, store, config.app.clone()).await?;
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|source| Error::Bind {

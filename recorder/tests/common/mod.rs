@@ -64,6 +64,11 @@ pub fn full_record(i: u32) -> RequestRecord {
             .collect(),
     });
     r.continuation_hash = Some(format!("hash-{i}"));
+    r.probe = Some(tapedeck_recorder::record::Probe {
+        must_contain: vec!["needle".into()],
+        needle_position: Some(4096),
+        label: None,
+    });
     r
 }
 
@@ -98,6 +103,8 @@ pub struct Scripted {
     pub overloaded: AtomicBool,
     /// Prompts seen.
     pub prompts: Mutex<Vec<Vec<u32>>>,
+    /// Fail with an internal error after this many tokens.
+    pub fail_after: Option<usize>,
 }
 
 impl Scripted {
@@ -115,6 +122,7 @@ impl Scripted {
             delay: Duration::ZERO,
             overloaded: AtomicBool::new(false),
             prompts: Mutex::new(Vec::new()),
+            fail_after: None,
         }
     }
 
@@ -204,9 +212,10 @@ impl Backend for Scripted {
         self.prompts.lock().unwrap().push(req.prompt.clone());
         let pieces = self.next_reply();
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let cancel = Arc::new(AtomicBool::new(false));
+        let cancel = tapedeck_recorder::backend::CancelToken::new();
         let stop = cancel.clone();
         let delay = self.delay;
+        let fail_after = self.fail_after;
         tokio::spawn(async move {
             let start = std::time::Instant::now();
             let mut out = GenerateOutput {
@@ -219,11 +228,17 @@ impl Backend for Scripted {
                 timings: Default::default(),
             };
             for (i, p) in pieces.iter().enumerate() {
+                if fail_after == Some(i) {
+                    let _ = tx.send(GenEvent::Error(BackendError::Internal(
+                        "GPU fell off".into(),
+                    )));
+                    return;
+                }
                 if i >= req.stop.max_tokens {
                     out.finish_reason = FinishReason::Length;
                     break;
                 }
-                if stop.load(Ordering::Relaxed) {
+                if stop.is_cancelled() {
                     out.finish_reason = FinishReason::Cancelled;
                     break;
                 }

@@ -1,0 +1,243 @@
+//! `tapedeck replay`: re-run recorded sessions against a candidate and measure speed and fidelity.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use tapedeck_replayer::history::HistoryMode;
+use tapedeck_replayer::metrics::Slo;
+use tapedeck_replayer::report::{self as run_report, Pacing, RunSummary};
+use tapedeck_replayer::run::{replay, ReplayConfig};
+use tapedeck_replayer::session::{Session, SessionFilter, SessionSource};
+use tapedeck_replayer::target::{self, TargetOptions};
+
+use crate::embedded;
+
+/// Arguments of `tapedeck replay`.
+#[derive(Args, Debug)]
+pub struct ReplayArgs {
+    /// Sessions: a tapedeck database (`.db`) or a `tapedeck.session.v1` JSONL file.
+    #[arg(long)]
+    pub sessions: PathBuf,
+    /// The candidate: `engine:MODEL?name=value,...` (MODEL: a directory or an embedded fixture)
+    /// or an OpenAI-compatible base URL (`http://host:port`).
+    #[arg(long, default_value = "engine:tiny-qwen2")]
+    pub target: String,
+    /// `recorded`: each turn sends the recorded conversation (per-turn fidelity). `self`: the
+    /// candidate's own answers are fed back (end-to-end agent behaviour).
+    #[arg(long, default_value = "recorded")]
+    pub history: String,
+    /// Sessions in flight (closed loop).
+    #[arg(long, default_value_t = 1, conflicts_with = "rate")]
+    pub concurrency: usize,
+    /// Sessions per second, Poisson arrivals (open loop; latency from the intended start).
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Seed of the open-loop arrival process and of `--sample`.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Only these session IDs (repeatable).
+    #[arg(long = "session")]
+    pub session_ids: Vec<String>,
+    /// Only sessions with at least this many turns.
+    #[arg(long, default_value_t = 0)]
+    pub min_turns: usize,
+    /// A seeded random sample of this many sessions.
+    #[arg(long)]
+    pub sample: Option<usize>,
+    /// Cap on every turn's output tokens.
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// Goodput SLOs in milliseconds, e.g. `ttft=500,tpot=50,e2e=10000`.
+    #[arg(long)]
+    pub slo: Option<String>,
+    /// Skip teacher-forced scoring of the recorded outputs.
+    #[arg(long)]
+    pub no_teacher_forcing: bool,
+    /// |Δlogprob| (nats) above which a turn is flagged for drift.
+    #[arg(long, default_value_t = 1e-4)]
+    pub drift_tolerance: f64,
+    /// Engine worker threads for `engine:` targets.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Write the run summary (JSON) here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Target options that resolve embedded fixture names for `engine:` specs.
+pub fn target_options(threads: Option<usize>) -> TargetOptions {
+    TargetOptions {
+        resolver: Some(Arc::new(|name: &str| {
+            embedded::resolve(name).map_err(|e| format!("{e:#}"))
+        })),
+        threads,
+        ..Default::default()
+    }
+}
+
+/// Loads sessions from a database or JSONL file.
+pub async fn load_sessions(path: &PathBuf, filter: &SessionFilter) -> Result<Vec<Session>> {
+    if !path.exists() {
+        anyhow::bail!("no sessions at {}", path.display());
+    }
+    SessionSource::from_path(path)
+        .load(filter)
+        .await
+        .with_context(|| format!("loading sessions from {}", path.display()))
+}
+
+/// Replays `sessions` against `spec` with a progress bar; Ctrl-C stops and keeps what finished.
+pub async fn run_replay(
+    sessions: Vec<Session>,
+    spec: &str,
+    cfg: ReplayConfig,
+    threads: Option<usize>,
+    quiet: bool,
+) -> Result<RunSummary> {
+    let target = {
+        let owned = spec.to_string();
+        let opts = target_options(threads);
+        tokio::task::spawn_blocking(move || target::open(&owned, &opts))
+            .await?
+            .with_context(|| format!("opening target {spec}"))?
+    };
+    let turns: usize = sessions.iter().map(|s| s.turns.len()).sum();
+    let bar = if quiet {
+        ProgressBar::hidden()
+    } else {
+        let b = ProgressBar::new(turns as u64);
+        b.set_style(
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} turns {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        b
+    };
+    let mut cfg = cfg;
+    {
+        let bar = bar.clone();
+        let flagged = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let errors = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        cfg.progress = Some(Arc::new(move |row| {
+            use std::sync::atomic::Ordering::Relaxed;
+            if row.error.is_some() {
+                errors.fetch_add(1, Relaxed);
+            }
+            if row.flagged() {
+                flagged.fetch_add(1, Relaxed);
+            }
+            bar.set_message(format!(
+                "flagged {} errors {}",
+                flagged.load(Relaxed),
+                errors.load(Relaxed)
+            ));
+            bar.inc(1);
+        }));
+    }
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let ctrl_c = tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("\ninterrupted: finishing with the turns done so far");
+            let _ = tx.send(true);
+        }
+    });
+    let run = replay(sessions, target, &cfg, rx).await;
+    ctrl_c.abort();
+    bar.finish_and_clear();
+    Ok(run?)
+}
+
+/// Runs `tapedeck replay`.
+pub fn run(args: ReplayArgs) -> Result<()> {
+    let history: HistoryMode = args
+        .history
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--history: {e}"))?;
+    let slo: Slo = match &args.slo {
+        Some(s) => s.parse().context("--slo")?,
+        None => Slo::default(),
+    };
+    let cfg = ReplayConfig {
+        pacing: match args.rate {
+            Some(rate) => Pacing::Open {
+                rate,
+                seed: args.seed,
+            },
+            None => Pacing::Closed {
+                concurrency: args.concurrency,
+            },
+        },
+        history,
+        teacher_forcing: !args.no_teacher_forcing,
+        max_tokens_cap: args.max_tokens,
+        slo,
+        drift_tolerance: args.drift_tolerance,
+        ..Default::default()
+    };
+    let filter = SessionFilter {
+        ids: args.session_ids.clone(),
+        min_turns: args.min_turns,
+        sample: args.sample,
+        seed: args.seed,
+    };
+    let rt = tokio::runtime::Runtime::new()?;
+    let run = rt.block_on(async {
+        let sessions = load_sessions(&args.sessions, &filter).await?;
+        if sessions.is_empty() {
+            anyhow::bail!("no sessions to replay in {}", args.sessions.display());
+        }
+        run_replay(sessions, &args.target, cfg, args.threads, args.quiet).await
+    })?;
+    print_summary(&run);
+    if let Some(path) = &args.json {
+        run_report::write_json(path, &run)?;
+        eprintln!("run summary written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// A short text summary of a run.
+pub fn print_summary(run: &RunSummary) {
+    let s = &run.speed;
+    let f = &run.fidelity;
+    println!(
+        "target {} — {} sessions, {} requests ({} failed) in {:.1} s",
+        run.target.spec, run.sessions_started, s.completed, s.failed, s.duration_s
+    );
+    println!(
+        "speed: {:.2} req/s, {:.1} output tok/s, TTFT p50 {:.1} ms p99 {:.1} ms, ITL p50 {:.2} ms p99 {:.2} ms",
+        s.request_throughput,
+        s.output_token_throughput,
+        s.ttft.p50_ms,
+        s.ttft.p99_ms,
+        s.itl.p50_ms,
+        s.itl.p99_ms
+    );
+    println!(
+        "fidelity: {} turns compared, {} prompt divergences, {} exact matches, mean |Δlogprob| {:.2e}, top-1 agreement {:.4}, flagged turns {}",
+        f.compared_turns,
+        f.prompt_divergent_turns,
+        f.exact_match_turns,
+        f.drift.abs_dlogprob.mean,
+        f.drift.top1_agreement,
+        f.flagged_turns
+    );
+    for srow in &run.sessions {
+        if let Some(t) = srow.first_divergent_turn {
+            let flags = srow
+                .turns
+                .iter()
+                .find(|r| r.turn == t)
+                .map(|r| r.flags.join(","))
+                .unwrap_or_default();
+            println!("  session {}: first divergent turn {t} ({flags})", srow.id);
+        }
+    }
+}
