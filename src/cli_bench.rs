@@ -305,11 +305,8 @@ fn multi_turn(
         "{:>5} {:>10} {:>10} {:>7}",
         "turn", "cache on", "cache off", "ratio"
     );
-    for k in 0..turns {
-        let (on, off) = (
-            rows[0][k].as_secs_f64() * 1e3,
-            rows[1][k].as_secs_f64() * 1e3,
-        );
+    for (k, (on, off)) in rows[0].iter().zip(&rows[1]).enumerate() {
+        let (on, off) = (on.as_secs_f64() * 1e3, off.as_secs_f64() * 1e3);
         println!("{:>5} {:>10.1} {:>10.1} {:>7.2}", k + 1, on, off, on / off);
     }
     Ok(())

@@ -7,21 +7,17 @@
 //!    HTML report.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use tapedeck_engine::scheduler::SchedulerConfig;
-use tapedeck_recorder::backend::SchedulerBackend;
-use tapedeck_recorder::server::{self, AppOptions, AppState};
-use tapedeck_recorder::store::Store;
-use tapedeck_replayer::report::{Pacing, RunSummary};
+use tapedeck_replayer::report::RunSummary;
 use tapedeck_replayer::run::ReplayConfig;
 use tapedeck_replayer::session::{parse_jsonl, SessionFilter};
 
 use crate::cli_replay::{load_sessions, print_summary, run_replay};
 use crate::embedded;
+use crate::recording::{play, LocalServer};
 
 /// The fixture sessions the demo plays (`fixtures/sessions/smoke.jsonl`).
 const DEMO_SESSIONS: &str = include_str!("../fixtures/sessions/smoke.jsonl");
@@ -97,32 +93,19 @@ async fn demo(args: &DemoArgs, model: &Path, db: &Path, out: &Path) -> Result<()
         1,
         "starting `tapedeck serve` (embedded tiny-qwen2) on a free local port",
     );
-    let engine = {
-        let model = model.to_path_buf();
-        let threads = args.threads;
-        tokio::task::spawn_blocking(move || {
-            tapedeck_engine::Engine::load_with(
-                &model,
-                &tapedeck_engine::engine::EngineOptions { threads },
-            )
-        })
-        .await??
-    };
-    let store = Store::open(db).await?;
-    let options = AppOptions {
-        served_model_name: Some(embedded::DEFAULT_MODEL.to_string()),
-        ..Default::default()
-    };
-    let backend = SchedulerBackend::start(Arc::new(engine), SchedulerConfig::default())
-        .map_err(|e| anyhow::anyhow!("starting the scheduler: {e}"))?;
-    let state = AppState::new(Arc::new(backend), store, options).await?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(server::run(listener, state, async {
-        let _ = stop_rx.await;
-    }));
-    println!("    serving at {url}, recording to {}", db.display());
+    let server = LocalServer::start(
+        model,
+        embedded::DEFAULT_MODEL,
+        Default::default(),
+        db,
+        args.threads,
+    )
+    .await?;
+    println!(
+        "    serving at {}, recording to {}",
+        server.url,
+        db.display()
+    );
 
     step(
         2,
@@ -131,14 +114,8 @@ async fn demo(args: &DemoArgs, model: &Path, db: &Path, out: &Path) -> Result<()
             sessions.len()
         ),
     );
-    let record_cfg = ReplayConfig {
-        pacing: Pacing::Closed { concurrency: 2 },
-        teacher_forcing: false,
-        ..Default::default()
-    };
-    let played = run_replay(sessions, &url, record_cfg, args.threads, true).await?;
-    let _ = stop_tx.send(());
-    let stats = server.await??;
+    let played = play(sessions, &server.url, 2, args.threads).await?;
+    let stats = server.stop().await?;
     println!(
         "    {} requests answered, {} records written, {} dropped",
         played.speed.completed, stats.written, stats.dropped
@@ -148,7 +125,7 @@ async fn demo(args: &DemoArgs, model: &Path, db: &Path, out: &Path) -> Result<()
         3,
         "replaying the recording against the reference and two candidates",
     );
-    let recorded = load_sessions(&db.to_path_buf(), &SessionFilter::default()).await?;
+    let recorded = load_sessions(db, &SessionFilter::default()).await?;
     let mut runs: Vec<(String, RunSummary)> = Vec::new();
     for (name, toggles) in CANDIDATES {
         let spec = if toggles.is_empty() {

@@ -1,6 +1,6 @@
 //! `tapedeck replay`: re-run recorded sessions against a candidate and measure speed and fidelity.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
@@ -82,7 +82,7 @@ pub fn target_options(threads: Option<usize>) -> TargetOptions {
 }
 
 /// Loads sessions from a database or JSONL file.
-pub async fn load_sessions(path: &PathBuf, filter: &SessionFilter) -> Result<Vec<Session>> {
+pub async fn load_sessions(path: &Path, filter: &SessionFilter) -> Result<Vec<Session>> {
     if !path.exists() {
         anyhow::bail!("no sessions at {}", path.display());
     }

@@ -9,6 +9,7 @@ use clap::{Args, Subcommand};
 use tapedeck_recorder::server::{self, ServeConfig};
 use tapedeck_recorder::sessions;
 use tapedeck_recorder::store::Store;
+use tapedeck_recorder::upstream::UpstreamConfig;
 
 use crate::embedded;
 
@@ -50,13 +51,37 @@ pub struct ServeArgs {
     /// `/metrics`.
     #[arg(long, default_value = "wait:100")]
     pub record_queue_policy: String,
+    /// Proxy to this OpenAI-compatible server (vLLM, SGLang, llama.cpp, another tapedeck) instead
+    /// of serving a model: answers pass through unchanged and are recorded (`--model` is unused).
+    #[arg(long, value_name = "URL")]
+    pub upstream: Option<String>,
+    /// With `--upstream`: a model directory (or embedded fixture name) whose tokenizer and chat
+    /// template give the recorded prompt and output token IDs.
+    #[arg(long, value_name = "DIR", requires = "upstream")]
+    pub tokenizer: Option<String>,
+    /// With `--upstream`: ask the upstream for this many top logprobs per token when the client
+    /// asked for none, record them, and strip them from the client's response.
+    #[arg(long, value_name = "K", requires = "upstream", value_parser = clap::value_parser!(u32).range(0..=20))]
+    pub upstream_logprobs: Option<u32>,
 }
 
 /// Runs `tapedeck serve` until Ctrl-C or SIGTERM.
 pub fn serve(args: ServeArgs) -> Result<()> {
     let toggles = crate::cli_generate::parse_toggles(&args.toggles)?;
-    let dir = embedded::resolve(&args.model)?;
-    let mut cfg = ServeConfig::new(dir);
+    let mut cfg = match &args.upstream {
+        // The model directory is not loaded in upstream mode.
+        Some(_) => ServeConfig::new(&args.model),
+        None => ServeConfig::new(embedded::resolve(&args.model)?),
+    };
+    if let Some(url) = &args.upstream {
+        let mut up = UpstreamConfig::new(url.clone());
+        up.tokenizer = match &args.tokenizer {
+            Some(t) => Some(embedded::resolve(t).context("--tokenizer")?),
+            None => None,
+        };
+        up.logprobs = args.upstream_logprobs;
+        cfg.upstream = Some(up);
+    }
     cfg.listen = args.listen;
     cfg.db = args.db;
     cfg.max_queued_requests = args.max_queued;
@@ -68,8 +93,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     cfg.app.toggles = toggles;
     cfg.app.session_header = args.session_header.to_ascii_lowercase();
     cfg.app.served_model_name = args.served_model_name.or_else(|| {
-        embedded::names()
-            .contains(&args.model.as_str())
+        (args.upstream.is_none() && embedded::names().contains(&args.model.as_str()))
             .then(|| args.model.clone())
     });
     cfg.app.writer.capacity = args.record_queue;
@@ -78,9 +102,12 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         .parse()
         .context("--record-queue-policy")?;
     let rt = tokio::runtime::Runtime::new()?;
+    let what = match &cfg.upstream {
+        Some(up) => format!("upstream {}", up.url),
+        None => format!("model {}", cfg.model.display()),
+    };
     eprintln!(
-        "tapedeck serve: model {}, listening on http://{}, recording to {}",
-        cfg.model.display(),
+        "tapedeck serve: {what}, listening on http://{}, recording to {}",
         cfg.listen,
         cfg.db.display()
     );
@@ -127,7 +154,7 @@ pub enum SessionsCommand {
     },
 }
 
-async fn open(db: &PathBuf, create: bool) -> Result<Store> {
+async fn open(db: &std::path::Path, create: bool) -> Result<Store> {
     if !create && !db.exists() {
         anyhow::bail!("no database at {}", db.display());
     }

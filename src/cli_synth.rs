@@ -13,6 +13,64 @@ use crate::embedded;
 pub enum SynthCommand {
     /// Generate sessions as `tapedeck.session.v1` JSONL.
     Sessions(SessionsArgs),
+    /// Record sessions: play them through a local `tapedeck serve` of the target engine as a
+    /// client would, so the database holds real token IDs, logits summaries and timings of every
+    /// assistant turn, ready for replay.
+    Record(RecordArgs),
+}
+
+/// Arguments of `tapedeck synth record`.
+#[derive(Args, Debug)]
+pub struct RecordArgs {
+    /// Sessions to play (JSONL).
+    #[arg(long)]
+    pub sessions: PathBuf,
+    /// The engine to record: `engine:MODEL?toggles` (MODEL: directory or embedded name).
+    #[arg(long, default_value = "engine:tiny-qwen2")]
+    pub target: String,
+    /// Database to record into (created if missing).
+    #[arg(long, default_value = "tapedeck.db")]
+    pub db: PathBuf,
+    /// Sessions played at once.
+    #[arg(long, default_value_t = 2)]
+    pub concurrency: usize,
+    /// Engine worker threads.
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+fn record(a: RecordArgs) -> Result<()> {
+    let (model, toggles) = tapedeck_replayer::target::engine::parse_spec(&a.target)
+        .map_err(|e| anyhow::anyhow!("--target: {e}"))?;
+    let dir = embedded::resolve(&model)?;
+    let name = if embedded::names().contains(&model.as_str()) {
+        model.clone()
+    } else {
+        dir.file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| model.clone())
+    };
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let sessions = crate::cli_replay::load_sessions(&a.sessions, &Default::default()).await?;
+        let turns: usize = sessions.iter().map(|s| s.turns.len()).sum();
+        let server =
+            crate::recording::LocalServer::start(&dir, &name, toggles, &a.db, a.threads).await?;
+        eprintln!(
+            "recording {} sessions ({turns} turns) through {} into {}",
+            sessions.len(),
+            server.url,
+            a.db.display()
+        );
+        let played =
+            crate::recording::play(sessions, &server.url, a.concurrency, a.threads).await?;
+        let stats = server.stop().await?;
+        eprintln!(
+            "{} requests answered ({} failed), {} records written, {} dropped",
+            played.speed.completed, played.speed.failed, stats.written, stats.dropped
+        );
+        Ok(())
+    })
 }
 
 /// Arguments of `tapedeck synth sessions`.
@@ -70,7 +128,10 @@ fn parse_range(s: &str) -> Result<std::ops::RangeInclusive<usize>> {
 
 /// Runs `tapedeck synth ...`.
 pub fn run(cmd: SynthCommand) -> Result<()> {
-    let SynthCommand::Sessions(a) = cmd;
+    let a = match cmd {
+        SynthCommand::Sessions(a) => a,
+        SynthCommand::Record(r) => return record(r),
+    };
     let dir = embedded::resolve(&a.model)?;
     let mut cfg = SynthConfig::new(&dir);
     if embedded::names().contains(&a.model.as_str()) {

@@ -11,6 +11,7 @@ mod cli_serve;
 mod cli_synth;
 mod cli_verdict;
 mod embedded;
+mod recording;
 
 use std::path::PathBuf;
 

@@ -1,8 +1,8 @@
 //! OpenAI-shaped chat messages and tool calls, as clients send them and as the engine encodes them.
 //!
 //! These types are shared by the HTTP front end, the recorder and the replayer so that a message is
-//! parsed once and means the same thing everywhere. Unknown fields are kept (`extra`) because a
-//! recording must hold the request as received.
+//! parsed once and means the same thing everywhere. Fields these types do not model are ignored
+//! here; the recorder keeps the request body as received, so nothing the client sent is lost.
 
 use serde::{Deserialize, Serialize};
 

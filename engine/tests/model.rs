@@ -307,3 +307,61 @@ fn bad_requests_are_errors_not_panics() {
         Err(Error::ContextOverflow { .. })
     ));
 }
+
+#[test]
+fn sharded_checkpoint_loads_the_same_model() {
+    use safetensors::tensor::TensorView;
+    let d = copy_fixture("tiny-qwen2");
+    let bytes = std::fs::read(d.path().join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().map(|s| s.to_string()).collect();
+    names.sort();
+    let (first, second) = names.split_at(names.len() / 2);
+    let mut weight_map = serde_json::Map::new();
+    for (i, part) in [first, second].iter().enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", i + 1);
+        let views: Vec<(String, TensorView)> = part
+            .iter()
+            .map(|n| (n.clone(), st.tensor(n).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &d.path().join(&file)).unwrap();
+        for n in part.iter() {
+            weight_map.insert(n.clone(), serde_json::json!(file));
+        }
+    }
+    std::fs::remove_file(d.path().join("model.safetensors")).unwrap();
+    std::fs::write(
+        d.path().join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": weight_map}).to_string(),
+    )
+    .unwrap();
+    let sharded = Engine::load(d.path()).unwrap();
+    let whole = engine("tiny-qwen2", 2);
+    let toks = random_tokens(&whole, 50, &mut rng());
+    let t = Toggles::default();
+    assert_eq!(
+        last_logits(&sharded, &toks, &t),
+        last_logits(&whole, &toks, &t)
+    );
+
+    // A shard named by the index but missing is an error naming it.
+    std::fs::remove_file(d.path().join("model-00002-of-00002.safetensors")).unwrap();
+    let e = Engine::load(d.path()).err().expect("must fail").to_string();
+    assert!(e.contains("model-00002-of-00002.safetensors"), "{e}");
+}
+
+#[test]
+fn mistral_config_loads_with_its_defaults() {
+    let d = copy_fixture("tiny-llama");
+    let cfg_path = d.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+    cfg["model_type"] = serde_json::json!("mistral");
+    cfg["sliding_window"] = serde_json::json!(4096);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let e = Engine::load(d.path()).unwrap();
+    assert_eq!(e.config().arch, tapedeck_engine::config::Arch::Mistral);
+    // Sliding-window attention is not applied, so the usable context stops at the window.
+    assert_eq!(e.context_len(), 4096);
+}

@@ -1,7 +1,7 @@
 //! What the server generates with: a [`Backend`] trait, implemented by [`EngineBackend`] (the
 //! in-process engine, one generation at a time) and [`SchedulerBackend`] (the engine's
-//! continuous-batching scheduler with its prefix cache). An upstream OpenAI-compatible server will
-//! be another implementation.
+//! continuous-batching scheduler with its prefix cache). [`crate::upstream::UpstreamBackend`] is
+//! an OpenAI-compatible server reached over HTTP (see [`Backend::upstream`]).
 //!
 //! The engine's `generate` is synchronous, CPU-heavy and reports tokens through a callback.
 //! [`EngineBackend`] turns that into an async stream: a semaphore admits one generation at a time
@@ -227,6 +227,13 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Cache and batching figures, for `/metrics` (none by default).
     fn cache_stats(&self) -> Option<CacheStats> {
+        None
+    }
+
+    /// The upstream server this backend forwards to, when it is one: the chat and completions
+    /// handlers then proxy the request as received instead of encoding and generating locally
+    /// (none by default).
+    fn upstream(&self) -> Option<&crate::upstream::UpstreamBackend> {
         None
     }
 }

@@ -4,7 +4,8 @@
 //!   `/metrics`) and [`server::serve`], which the `tapedeck serve` command calls.
 //! * [`backend`]: what the server generates with, behind one trait: [`EngineBackend`] (the
 //!   in-process engine, one generation at a time), [`SchedulerBackend`] (the engine's
-//!   continuous-batching scheduler with its prefix cache); an upstream OpenAI server later.
+//!   continuous-batching scheduler with its prefix cache), [`upstream::UpstreamBackend`] (any
+//!   OpenAI-compatible server, proxied and recorded: `tapedeck serve --upstream URL`).
 //! * [`store`], [`writer`], [`blob`]: the SQLite database, the off-request-path batched writer,
 //!   and the binary encoding of per-token columns.
 //! * [`stitch`]: how requests are grouped into multi-turn sessions and classified.
@@ -20,6 +21,7 @@ pub mod server;
 pub mod sessions;
 pub mod stitch;
 pub mod store;
+pub mod upstream;
 pub mod writer;
 
 pub use backend::{Backend, EngineBackend, SchedulerBackend};

@@ -22,12 +22,46 @@ pub fn now_us() -> i64 {
         .unwrap_or(0)
 }
 
+/// `ChatCompletions` → `chat_completions`.
+fn snake_case(camel: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in camel.chars().enumerate() {
+        if c.is_ascii_uppercase() {
+            if i > 0 {
+                out.push('_');
+            }
+            out.push(c.to_ascii_lowercase());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 macro_rules! text_enum {
     ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $var:ident = $s:literal),+ $(,)? }) => {
         $(#[$m])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-        #[serde(rename_all = "snake_case")]
-        pub enum $name { $($(#[$vm])* $var),+ }
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+        pub enum $name { $($(#[$vm])* #[serde(rename = $s)] $var),+ }
+
+        /// Reads the documented text ([`Self::as_str`]); also accepts the snake_case variant
+        /// name that early exports wrote (e.g. `chat_completions`), so old files still import.
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let text = String::deserialize(d)?;
+                if let Ok(v) = text.parse::<$name>() {
+                    return Ok(v);
+                }
+                $(if text == snake_case(stringify!($var)) {
+                    return Ok($name::$var);
+                })+
+                Err(serde::de::Error::custom(format!(
+                    "unknown {} {text:?} (expected one of: {})",
+                    stringify!($name),
+                    [$($s),+].join(", ")
+                )))
+            }
+        }
 
         impl $name {
             /// The text stored in the database and in JSONL.

@@ -41,6 +41,14 @@ pub enum Pacing {
         /// Seed of the arrival process.
         seed: u64,
     },
+    /// Recorded timing: each session starts at its recorded first arrival, as an offset from the
+    /// earliest session's, divided by `speed` (2 replays twice as fast). Sessions with no
+    /// recorded arrival start at offset 0. Like open loop, the first turn's latencies are
+    /// measured from the intended start; later turns follow without think time.
+    Recorded {
+        /// Time compression: recorded offsets are divided by it (1 = as recorded).
+        speed: f64,
+    },
 }
 
 impl Default for Pacing {

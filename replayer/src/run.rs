@@ -1,7 +1,8 @@
 //! The replay loop: sessions turn by turn, many sessions at once, measured as they go.
 //!
 //! Each session runs its turns in order with no think time. Sessions are paced closed loop (a
-//! fixed number in flight) or open loop (Poisson arrivals, latency from the intended start).
+//! fixed number in flight), open loop (Poisson arrivals, latency from the intended start) or at
+//! their recorded arrival times scaled by a speed factor (latency from the intended start too).
 //! Every turn is generated free-running, compared with its recording, and — when the recording
 //! has output token IDs and summaries — its recorded output is scored under the candidate
 //! (teacher forcing). Cancellation (`watch` channel set to `true`, e.g. on Ctrl-C) stops new
@@ -105,9 +106,35 @@ impl ReplayConfig {
                 name: "rate",
                 message: format!("{rate} is not a positive number of sessions per second"),
             }),
+            Pacing::Recorded { speed } if !(speed.is_finite() && speed > 0.0) => {
+                Err(Error::Setting {
+                    name: "speed",
+                    message: format!("{speed} is not a positive time compression factor"),
+                })
+            }
             _ => Ok(()),
         }
     }
+}
+
+/// Start offsets of sessions replayed at their recorded times: each session's first recorded
+/// arrival minus the earliest one, divided by `speed`. A session without a recorded arrival gets
+/// offset 0 (it starts at once).
+pub fn recorded_offsets(sessions: &[Session], speed: f64) -> Vec<Duration> {
+    let firsts: Vec<Option<i64>> = sessions.iter().map(Session::first_arrival_us).collect();
+    let Some(t0) = firsts.iter().flatten().min().copied() else {
+        return vec![Duration::ZERO; sessions.len()];
+    };
+    firsts
+        .into_iter()
+        .map(|t| match t {
+            Some(t) => {
+                let us = u64::try_from(t.saturating_sub(t0)).unwrap_or(0) as f64;
+                Duration::from_secs_f64(us / speed / 1e6)
+            }
+            None => Duration::ZERO,
+        })
+        .collect()
 }
 
 /// Start offsets of `n` sessions arriving as a Poisson process of `rate` per second: exponential
@@ -436,8 +463,12 @@ pub async fn replay(
                 }
             }
         }
-        Pacing::Open { rate, seed } => {
-            let offsets = poisson_offsets(total, rate, seed);
+        pacing @ (Pacing::Open { .. } | Pacing::Recorded { .. }) => {
+            let offsets = match pacing {
+                Pacing::Recorded { speed } => recorded_offsets(&sessions, speed),
+                Pacing::Open { rate, seed } => poisson_offsets(total, rate, seed),
+                Pacing::Closed { .. } => unreachable!("closed loop is handled above"),
+            };
             let mut running = FuturesUnordered::new();
             for ((i, s), off) in sessions.into_iter().enumerate().zip(offsets) {
                 let (t, c, rx) = (target.clone(), cfg.clone(), cancel.clone());

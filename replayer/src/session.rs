@@ -88,6 +88,18 @@ pub struct Turn {
     /// An expected property of the answer (e.g. a planted needle).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probe: Option<Probe>,
+    /// When the recorded request arrived at the recording server, µs since the Unix epoch
+    /// (`timing.arrival_us` of a session line, `arrival_us` of a database record). Used by
+    /// [`Pacing::Recorded`](crate::Pacing::Recorded) to start sessions at their recorded offsets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arrival_us: Option<i64>,
+}
+
+impl Session {
+    /// The recorded arrival of the session's first request: the first turn that has one.
+    pub fn first_arrival_us(&self) -> Option<i64> {
+        self.turns.iter().find_map(|t| t.arrival_us)
+    }
 }
 
 /// A chat-completions request: messages, tools and the sampling parameters that matter for replay.
@@ -353,6 +365,7 @@ pub fn turn_from_line(req: &RequestLine) -> std::result::Result<Option<Turn>, St
         probe: req.probe.as_ref().map(|p| Probe {
             must_contain: p.must_contain.clone(),
         }),
+        arrival_us: tm.arrival_us,
     }))
 }
 
@@ -406,6 +419,7 @@ pub fn turn_from_record(rec: &RequestRecord) -> Option<Turn> {
         request,
         recorded: Some(recorded),
         probe: None,
+        arrival_us: Some(rec.arrival_us),
     })
 }
 
@@ -471,6 +485,7 @@ mod tests {
             },
             recorded: None,
             probe: None,
+            arrival_us: None,
         };
         Session::new(id, vec![t; turns])
     }
@@ -510,6 +525,8 @@ mod tests {
         assert_eq!(r.ttft_us, Some(50));
         assert_eq!(r.e2e_us, Some(500));
         assert!(t.probe.as_ref().unwrap().passes("yo!"));
+        assert_eq!(t.arrival_us, Some(100), "the recorded arrival is kept");
+        assert_eq!(s[0].first_arrival_us(), Some(100));
         let bad = text.replace(SESSION_FORMAT, "other.v9");
         assert!(parse_jsonl(&bad, p)
             .unwrap_err()

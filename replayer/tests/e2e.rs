@@ -97,6 +97,7 @@ fn record_turn(
             ..Recorded::default()
         }),
         probe: None,
+        arrival_us: None,
     };
     (turn, answer)
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use tapedeck_engine::{ChatMessage, LogitsSummary};
+use tapedeck_replayer::run::recorded_offsets;
 use tapedeck_replayer::session::{ChatRequest, Probe};
 use tapedeck_replayer::target::{Clock, GenOptions, TargetInfo, TurnOutput};
 use tapedeck_replayer::{replay, HistoryMode, Pacing, ReplayConfig, Session, Target, Turn};
@@ -30,6 +31,8 @@ struct Scripted {
     max_in_flight: AtomicUsize,
     /// Every request's messages, in arrival order.
     log: Mutex<Vec<Vec<ChatMessage>>>,
+    /// When each request arrived, with its first message's text.
+    sends: Mutex<Vec<(String, Instant)>>,
 }
 
 impl Scripted {
@@ -39,6 +42,7 @@ impl Scripted {
             in_flight: AtomicUsize::new(0),
             max_in_flight: AtomicUsize::new(0),
             log: Mutex::new(Vec::new()),
+            sends: Mutex::new(Vec::new()),
         })
     }
 }
@@ -70,6 +74,10 @@ impl Target for Scripted {
                 .map(|m| m.text())
                 .unwrap_or_default();
             self.log.lock().unwrap().push(request.messages.clone());
+            self.sends
+                .lock()
+                .unwrap()
+                .push((request.messages[0].text(), sent));
             match self.behaviour {
                 Behaviour::AsyncDelay(d) => tokio::time::sleep(d).await,
                 Behaviour::Blocking(d) => std::thread::sleep(d),
@@ -124,6 +132,7 @@ fn session(id: usize, turns: usize) -> Session {
             },
             recorded: None,
             probe: None,
+            arrival_us: None,
         });
         messages.push(ChatMessage::new("assistant", &format!("recorded {k}")));
     }
@@ -238,4 +247,137 @@ async fn cancellation_keeps_finished_turns() {
         .sessions
         .iter()
         .all(|s| s.cancelled && s.turns.len() == 1));
+}
+
+/// `session(id, turns)` whose requests were recorded at `first_us`, then 10 s apart.
+fn recorded_session(id: usize, turns: usize, first_us: Option<i64>) -> Session {
+    let mut s = session(id, turns);
+    for (k, t) in s.turns.iter_mut().enumerate() {
+        t.arrival_us = first_us.map(|f| f + 10_000_000 * k as i64);
+    }
+    s
+}
+
+#[test]
+fn recorded_offsets_are_relative_to_the_earliest_session_and_scaled() {
+    let t0 = 1_700_000_000_000_000i64;
+    let sessions = vec![
+        recorded_session(0, 2, Some(t0 + 400_000)),
+        recorded_session(1, 1, Some(t0)),
+        recorded_session(2, 1, None),
+        recorded_session(3, 3, Some(t0 + 3_000_000)),
+    ];
+    let ms = |v: Vec<Duration>| v.iter().map(|d| d.as_micros() as u64).collect::<Vec<_>>();
+    assert_eq!(
+        ms(recorded_offsets(&sessions, 1.0)),
+        [400_000, 0, 0, 3_000_000]
+    );
+    assert_eq!(
+        ms(recorded_offsets(&sessions, 4.0)),
+        [100_000, 0, 0, 750_000]
+    );
+    assert_eq!(
+        ms(recorded_offsets(&sessions[2..3], 1.0)),
+        [0],
+        "no recorded times: all start at once"
+    );
+    // A session whose first turn lacks a time uses its first turn that has one.
+    let mut s = recorded_session(4, 2, Some(t0 + 50_000));
+    s.turns[0].arrival_us = None;
+    assert_eq!(
+        ms(recorded_offsets(
+            &[recorded_session(1, 1, Some(t0)), s],
+            1.0
+        )),
+        [0, 10_050_000]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recorded_pacing_starts_sessions_at_scaled_recorded_offsets() {
+    let target = Scripted::new(Behaviour::AsyncDelay(Duration::ZERO));
+    let t0 = 1_700_000_000_000_000i64;
+    // Recorded 0, 300 ms and 600 ms apart; replayed at speed 2: 0, 150 ms, 300 ms.
+    let sessions = vec![
+        recorded_session(0, 2, Some(t0 + 600_000)),
+        recorded_session(1, 2, Some(t0)),
+        recorded_session(2, 2, Some(t0 + 300_000)),
+    ];
+    let cfg = ReplayConfig {
+        pacing: Pacing::Recorded { speed: 2.0 },
+        ..ReplayConfig::default()
+    };
+    let (_tx, rx) = watch::channel(false);
+    let before = Instant::now();
+    let run = replay(sessions, target.clone(), &cfg, rx).await.unwrap();
+    assert_eq!(run.speed.completed, 6);
+    assert_eq!(run.settings.pacing, Pacing::Recorded { speed: 2.0 });
+    let sends = target.sends.lock().unwrap();
+    let first = |id: &str| {
+        sends
+            .iter()
+            .find(|(m, _)| m == id)
+            .map(|(_, t)| t.duration_since(before))
+            .unwrap()
+    };
+    let (a, b, c) = (first("s1t0"), first("s2t0"), first("s0t0"));
+    assert!(b >= Duration::from_millis(150), "{b:?}");
+    assert!(c >= Duration::from_millis(300), "{c:?}");
+    // Order of first sends follows the recording (the gaps are far above scheduler noise).
+    assert!(a < b && b < c, "{a:?} {b:?} {c:?}");
+    // No think time: a session's turns are not spread by the recorded 10 s gap between them.
+    assert!(
+        run.speed.duration_s < 0.3 + 10.0 / 2.0,
+        "{}",
+        run.speed.duration_s
+    );
+    let json = serde_json::to_value(&run.settings.pacing).unwrap();
+    assert_eq!(json, serde_json::json!({"mode": "recorded", "speed": 2.0}));
+}
+
+#[test]
+fn recorded_pacing_latency_counts_from_the_intended_send_time() {
+    // As the open-loop case: five sessions recorded 1 ms apart, a target that blocks the only
+    // executor thread for 40 ms per request; the k-th served waited for the k before it.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let target = Scripted::new(Behaviour::Blocking(Duration::from_millis(40)));
+    let t0 = 1_700_000_000_000_000i64;
+    let sessions: Vec<Session> = (0..5)
+        .map(|i| recorded_session(i, 1, Some(t0 + 1_000 * i as i64)))
+        .collect();
+    let cfg = ReplayConfig {
+        pacing: Pacing::Recorded { speed: 1.0 },
+        ..ReplayConfig::default()
+    };
+    let (_tx, rx) = watch::channel(false);
+    let run = rt.block_on(replay(sessions, target, &cfg, rx)).unwrap();
+    let mut e2e: Vec<u64> = run
+        .sessions
+        .iter()
+        .map(|s| s.turns[0].timing.as_ref().unwrap().e2e_us)
+        .collect();
+    e2e.sort_unstable();
+    for (k, v) in e2e.iter().enumerate() {
+        let floor = (k as u64 + 1) * 40_000 - 10_000;
+        assert!(*v >= floor, "request {k}: {v} µs < {floor} µs ({e2e:?})");
+    }
+}
+
+#[tokio::test]
+async fn recorded_pacing_rejects_a_bad_speed() {
+    for speed in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let cfg = ReplayConfig {
+            pacing: Pacing::Recorded { speed },
+            ..ReplayConfig::default()
+        };
+        let (_tx, rx) = watch::channel(false);
+        let target = Scripted::new(Behaviour::AsyncDelay(Duration::ZERO));
+        let err = replay(vec![session(0, 1)], target, &cfg, rx)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("speed"), "{err}");
+    }
 }

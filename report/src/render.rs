@@ -93,7 +93,7 @@ pub struct Timeline {
 pub fn throughput_over_time(run: &RunSummary) -> Timeline {
     let slots = match run.settings.pacing {
         Pacing::Closed { concurrency } => Some(concurrency.max(1)),
-        Pacing::Open { .. } => None,
+        Pacing::Open { .. } | Pacing::Recorded { .. } => None,
     };
     let mut free = vec![0.0f64; slots.unwrap_or(0)];
     let mut ends: Vec<(f64, usize)> = Vec::new();
@@ -433,6 +433,7 @@ fn header_lines(run: &RunSummary) -> Vec<(String, String)> {
     let pacing = match run.settings.pacing {
         Pacing::Closed { concurrency } => format!("closed loop, concurrency {concurrency}"),
         Pacing::Open { rate, seed } => format!("open loop, {rate} sessions/s (seed {seed})"),
+        Pacing::Recorded { speed } => format!("recorded timing, speed ×{speed}"),
     };
     v.push((
         "settings".into(),

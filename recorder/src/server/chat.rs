@@ -28,6 +28,9 @@ use crate::stitch::{classify, Chain};
 pub(super) const MAX_TOP_LOGPROBS: u32 = 20;
 
 pub(super) async fn handle(State(state): State<AppState>, req: Request) -> Response {
+    if state.backend().upstream().is_some() {
+        return super::proxy::handle(state, Endpoint::ChatCompletions, req).await;
+    }
     let arrival = Arrival::of(&req);
     let (parts, body) = req.into_parts();
     let mut rec = state.new_record(Endpoint::ChatCompletions, arrival, &parts.headers);

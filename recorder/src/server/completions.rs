@@ -32,6 +32,9 @@ use crate::record::{now_us, Endpoint, PromptScores, RecordedOutput, RequestRecor
 const DEFAULT_MAX_TOKENS: usize = 16;
 
 pub(super) async fn handle(State(state): State<AppState>, req: Request) -> Response {
+    if state.backend().upstream().is_some() {
+        return super::proxy::handle(state, Endpoint::Completions, req).await;
+    }
     let arrival = Arrival::of(&req);
     let (parts, body) = req.into_parts();
     let mut rec = state.new_record(Endpoint::Completions, arrival, &parts.headers);

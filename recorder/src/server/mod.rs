@@ -14,6 +14,7 @@ mod driver;
 pub mod error;
 pub mod metrics;
 pub mod openai;
+mod proxy;
 pub mod splitter;
 
 use std::future::Future;
@@ -41,6 +42,7 @@ use crate::error::{Error, Result};
 use crate::record::{now_us, BuildInfo, Endpoint, RequestRecord};
 use crate::stitch::Stitcher;
 use crate::store::Store;
+use crate::upstream::{UpstreamBackend, UpstreamConfig};
 use crate::writer::{RecordWriter, WriterConfig, WriterStats};
 use metrics::Metrics;
 
@@ -88,6 +90,8 @@ pub struct ServeConfig {
     /// Serve through the engine's continuous-batching scheduler (with its prefix cache) instead
     /// of one generation at a time. `None`: one at a time.
     pub scheduler: Option<SchedulerConfig>,
+    /// Proxy to this OpenAI-compatible server instead of loading `model` (upstream mode).
+    pub upstream: Option<UpstreamConfig>,
     /// HTTP-layer options.
     pub app: AppOptions,
 }
@@ -101,6 +105,7 @@ impl ServeConfig {
             model: model.into(),
             max_queued_requests: 256,
             scheduler: None,
+            upstream: None,
             app: AppOptions::default(),
         }
     }
@@ -464,6 +469,27 @@ pub async fn run(
 /// request until Ctrl-C or SIGTERM; then stops accepting, lets in-flight responses finish, and
 /// drains the record queue.
 pub async fn serve(config: ServeConfig) -> Result<WriterStats> {
+    let backend: Arc<dyn Backend> = match config.upstream.clone() {
+        Some(up) => Arc::new(
+            UpstreamBackend::connect(up)
+                .await
+                .map_err(|e| Error::Config(format!("upstream: {e}")))?,
+        ),
+        None => local_backend(&config).await?,
+    };
+    let store = Store::open(&config.db).await?;
+    let state = AppState::new(backend, store, config.app.clone()).await?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| Error::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    run(listener, state, shutdown_signal()).await
+}
+
+/// The in-process engine backend of a serve configuration.
+async fn local_backend(config: &ServeConfig) -> Result<Arc<dyn Backend>> {
     let dir = config.model.clone();
     let engine = tokio::task::spawn_blocking(move || Engine::load(&dir))
         .await
@@ -476,15 +502,7 @@ pub async fn serve(config: ServeConfig) -> Result<WriterStats> {
                 .map_err(|e| Error::Config(format!("cannot start the scheduler: {e}")))?,
         ),
     };
-    let store = Store::open(&config.db).await?;
-    let state = AppState::new(backend, store, config.app.clone()).await?;
-    let listener = TcpListener::bind(config.listen)
-        .await
-        .map_err(|source| Error::Bind {
-            addr: config.listen,
-            source,
-        })?;
-    run(listener, state, shutdown_signal()).await
+    Ok(backend)
 }
 
 /// Resolves on Ctrl-C or, on Unix, SIGTERM.
