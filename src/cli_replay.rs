@@ -10,7 +10,7 @@ use tapedeck_replayer::history::HistoryMode;
 use tapedeck_replayer::metrics::Slo;
 use tapedeck_replayer::report::{self as run_report, Pacing, RunSummary};
 use tapedeck_replayer::run::{replay, ReplayConfig};
-use tapedeck_replayer::session::{Session, SessionFilter, SessionSource};
+use tapedeck_replayer::session::{session_from_line, Session, SessionFilter, SessionSource};
 use tapedeck_replayer::target::{self, TargetOptions};
 
 use crate::embedded;
@@ -35,6 +35,13 @@ pub struct ReplayArgs {
     /// Sessions per second, Poisson arrivals (open loop; latency from the intended start).
     #[arg(long)]
     pub rate: Option<f64>,
+    /// `recorded`: start each session at its recorded arrival time (relative to the earliest),
+    /// divided by `--speed`; latency is measured from that intended time.
+    #[arg(long, value_parser = ["recorded"], conflicts_with_all = ["rate"])]
+    pub timing: Option<String>,
+    /// Time compression of `--timing recorded` (2 = twice as fast as recorded).
+    #[arg(long, default_value_t = 1.0)]
+    pub speed: f64,
     /// Seed of the open-loop arrival process and of `--sample`.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -68,6 +75,10 @@ pub struct ReplayArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Stop at the first malformed JSONL line (default: skip it with a warning naming the file,
+    /// line and field, and read the rest).
+    #[arg(long)]
+    pub strict: bool,
 }
 
 /// Target options that resolve embedded fixture names for `engine:` specs.
@@ -81,15 +92,55 @@ pub fn target_options(threads: Option<usize>) -> TargetOptions {
     }
 }
 
-/// Loads sessions from a database or JSONL file.
+/// Loads sessions from a database or JSONL file, skipping malformed JSONL lines with a warning
+/// that names the file, line and field.
 pub async fn load_sessions(path: &Path, filter: &SessionFilter) -> Result<Vec<Session>> {
+    load_sessions_with(path, filter, false).await
+}
+
+/// Loads sessions; with `strict`, the first malformed JSONL line is an error instead of a warning.
+pub async fn load_sessions_with(
+    path: &Path,
+    filter: &SessionFilter,
+    strict: bool,
+) -> Result<Vec<Session>> {
     if !path.exists() {
         anyhow::bail!("no sessions at {}", path.display());
     }
-    SessionSource::from_path(path)
-        .load(filter)
-        .await
-        .with_context(|| format!("loading sessions from {}", path.display()))
+    match SessionSource::from_path(path) {
+        SessionSource::Jsonl(p) => {
+            let (lines, errors) = tapedeck_synth::read_jsonl(&p, strict)
+                .with_context(|| format!("reading sessions from {}", p.display()))?;
+            for e in &errors {
+                eprintln!(
+                    "warning: skipped {}:{} (field {}): {}",
+                    e.file.display(),
+                    e.line,
+                    e.path,
+                    e.message
+                );
+            }
+            let mut sessions = Vec::with_capacity(lines.len());
+            for line in &lines {
+                match session_from_line(line) {
+                    Ok(s) => sessions.push(s),
+                    Err(m) if strict => {
+                        anyhow::bail!("{}: session {}: {m}", p.display(), line.session.id)
+                    }
+                    Err(m) => eprintln!(
+                        "warning: skipped session {} of {}: {m}",
+                        line.session.id,
+                        p.display()
+                    ),
+                }
+            }
+            Ok(filter.apply(sessions))
+        }
+        source => source
+            .load(filter)
+            .await
+            .with_context(|| format!("loading sessions from {}", path.display())),
+    }
 }
 
 /// Replays `sessions` against `spec` with a progress bar; Ctrl-C stops and keeps what finished.
@@ -165,12 +216,13 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         None => Slo::default(),
     };
     let cfg = ReplayConfig {
-        pacing: match args.rate {
-            Some(rate) => Pacing::Open {
+        pacing: match (args.timing.as_deref(), args.rate) {
+            (Some(_), _) => Pacing::Recorded { speed: args.speed },
+            (None, Some(rate)) => Pacing::Open {
                 rate,
                 seed: args.seed,
             },
-            None => Pacing::Closed {
+            (None, None) => Pacing::Closed {
                 concurrency: args.concurrency,
             },
         },
@@ -189,7 +241,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
     };
     let rt = tokio::runtime::Runtime::new()?;
     let run = rt.block_on(async {
-        let sessions = load_sessions(&args.sessions, &filter).await?;
+        let sessions = load_sessions_with(&args.sessions, &filter, args.strict).await?;
         if sessions.is_empty() {
             anyhow::bail!("no sessions to replay in {}", args.sessions.display());
         }

@@ -1,5 +1,5 @@
 //! The replay loop against a scripted target: closed-loop concurrency, turn order, `self` history
-//! through the loop, open-loop latency measured from the intended send time (no coordinated
+//! through the loop, open-loop and recorded-timing latency measured from the intended send time (no coordinated
 //! omission), and cancellation that keeps finished turns. No assertion depends on the machine
 //! being fast: only lower bounds on times that the target itself imposes.
 
@@ -331,7 +331,7 @@ async fn recorded_pacing_starts_sessions_at_scaled_recorded_offsets() {
         "{}",
         run.speed.duration_s
     );
-    let json = serde_json::to_value(&run.settings.pacing).unwrap();
+    let json = serde_json::to_value(run.settings.pacing).unwrap();
     assert_eq!(json, serde_json::json!({"mode": "recorded", "speed": 2.0}));
 }
 
