@@ -40,6 +40,9 @@ pub struct ServeArgs {
     /// KV-cache budget of the batching scheduler, MiB.
     #[arg(long, default_value_t = 512)]
     pub kv_budget: usize,
+    /// Do not record (only for measuring what recording costs; see docs/benchmarks.md).
+    #[arg(long)]
+    pub no_record: bool,
     /// Serve one request at a time without the batching scheduler and prefix cache (the
     /// simplest path, for isolating scheduler faults).
     #[arg(long)]
@@ -91,6 +94,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         ..Default::default()
     });
     cfg.app.toggles = toggles;
+    cfg.app.record = !args.no_record;
     cfg.app.session_header = args.session_header.to_ascii_lowercase();
     cfg.app.served_model_name = args.served_model_name.or_else(|| {
         (args.upstream.is_none() && embedded::names().contains(&args.model.as_str()))

@@ -61,6 +61,9 @@ pub struct AppOptions {
     pub served_model_name: Option<String>,
     /// Token limit when a chat request sets none (`None`: the rest of the context window).
     pub default_max_tokens: Option<usize>,
+    /// Write records to the store. Off only to measure what recording costs (the
+    /// recording-on-vs-off benchmark); a production server always records.
+    pub record: bool,
 }
 
 impl Default for AppOptions {
@@ -72,6 +75,7 @@ impl Default for AppOptions {
             writer: WriterConfig::default(),
             served_model_name: None,
             default_max_tokens: None,
+            record: true,
         }
     }
 }
@@ -262,7 +266,9 @@ impl AppState {
             e2e_ms = arrival.at.elapsed().as_millis() as u64,
             "request done"
         );
-        self.0.writer.submit_nowait(rec);
+        if self.0.options.record {
+            self.0.writer.submit_nowait(rec);
+        }
     }
 
     /// Records a request that failed before generating and returns its error response.
