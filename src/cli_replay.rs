@@ -72,6 +72,13 @@ pub struct ReplayArgs {
     /// Write the run summary (JSON) here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Save the run (summary and per-turn rows) into this tapedeck database; default: the
+    /// `--sessions` database when sessions come from one.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Do not save the run into a database.
+    #[arg(long, conflicts_with = "save")]
+    pub no_save: bool,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -252,7 +259,48 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         run_report::write_json(path, &run)?;
         eprintln!("run summary written to {}", path.display());
     }
+    let save = match (&args.save, args.no_save) {
+        (_, true) => None,
+        (Some(db), false) => Some(db.clone()),
+        (None, false) => match SessionSource::from_path(&args.sessions) {
+            SessionSource::Database(db) => Some(db),
+            SessionSource::Jsonl(_) => None,
+        },
+    };
+    if let Some(db) = save {
+        let id = rt.block_on(async {
+            let store = tapedeck_recorder::store::Store::open(&db)
+                .await
+                .with_context(|| format!("opening {}", db.display()))?;
+            let id = tapedeck_replayer::stored::save_run(&store, &run).await?;
+            store.close().await;
+            anyhow::Ok(id)
+        })?;
+        eprintln!("run {id} saved to {}", db.display());
+    }
     Ok(())
+}
+
+/// Reads a run: a summary JSON file, or a run ID stored in `db`.
+pub fn read_run(arg: &Path, db: Option<&Path>) -> Result<RunSummary> {
+    if arg.is_file() {
+        return run_report::read_json(arg).with_context(|| format!("reading {}", arg.display()));
+    }
+    let Some(db) = db else {
+        anyhow::bail!(
+            "{} is not a run summary file (give --db DB to name a stored run by ID)",
+            arg.display()
+        );
+    };
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let store = tapedeck_recorder::store::Store::open(db)
+            .await
+            .with_context(|| format!("opening {}", db.display()))?;
+        let run = tapedeck_replayer::stored::load_run(&store, &arg.to_string_lossy()).await?;
+        store.close().await;
+        Ok(run)
+    })
 }
 
 /// A short text summary of a run.

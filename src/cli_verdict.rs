@@ -6,19 +6,21 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::Args;
 use tapedeck_engine::Toggles;
-use tapedeck_replayer::report::{read_json, RunSummary};
 use tapedeck_replayer::run::ReplayConfig;
 use tapedeck_replayer::session::{Session, SessionFilter};
 use tapedeck_report::{BisectResult, Evidence, Format, Policy};
 
-use crate::cli_replay::{load_sessions, run_replay};
+use crate::cli_replay::{load_sessions, read_run, run_replay};
 use crate::embedded;
 
 /// Arguments of `tapedeck report`.
 #[derive(Args, Debug)]
 pub struct ReportArgs {
-    /// A run summary written by `tapedeck replay --json`.
+    /// A run summary written by `tapedeck replay --json`, or a run ID stored in `--db`.
     pub run: PathBuf,
+    /// Database holding stored runs (when RUN is an ID).
+    #[arg(long)]
+    pub db: Option<PathBuf>,
     /// text | json | markdown | html.
     #[arg(long, default_value = "text")]
     pub format: String,
@@ -29,7 +31,7 @@ pub struct ReportArgs {
 
 /// Runs `tapedeck report`.
 pub fn report(args: ReportArgs) -> Result<()> {
-    let run = read_json(&args.run).with_context(|| format!("reading {}", args.run.display()))?;
+    let run = read_run(&args.run, args.db.as_deref())?;
     let format: Format = args
         .format
         .parse()
@@ -52,10 +54,13 @@ fn write_out(path: Option<&Path>, text: &str) -> Result<()> {
 /// Arguments of `tapedeck compare`.
 #[derive(Args, Debug)]
 pub struct CompareArgs {
-    /// Baseline run summary (JSON).
+    /// Baseline run: summary JSON file, or a run ID stored in `--db`.
     pub base: PathBuf,
-    /// Candidate run summary (JSON).
+    /// Candidate run: summary JSON file, or a run ID stored in `--db`.
     pub cand: PathBuf,
+    /// Database holding stored runs (when runs are named by ID).
+    #[arg(long)]
+    pub db: Option<PathBuf>,
     /// Policy (TOML); default: the built-in defaults (see `ci/policy.toml`).
     #[arg(long)]
     pub policy: Option<PathBuf>,
@@ -78,10 +83,8 @@ pub fn load_policy(path: Option<&Path>) -> Result<Policy> {
 /// Runs `tapedeck compare`; returns the exit code (0 pass, 1 fail, 2 could not compare).
 pub fn compare(args: CompareArgs) -> Result<i32> {
     let policy = load_policy(args.policy.as_deref())?;
-    let read = |p: &PathBuf| -> Result<RunSummary> {
-        read_json(p).with_context(|| format!("reading {}", p.display()))
-    };
-    let (base, cand) = (read(&args.base)?, read(&args.cand)?);
+    let base = read_run(&args.base, args.db.as_deref())?;
+    let cand = read_run(&args.cand, args.db.as_deref())?;
     let cmp = tapedeck_report::compare(&base, &cand, &policy);
     print!("{}", cmp.to_text());
     if let Some(p) = &args.junit {

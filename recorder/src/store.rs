@@ -580,3 +580,159 @@ fn row_to_record(r: &SqliteRow) -> Result<RequestRecord> {
         continuation_hash: get(r, "continuation_hash")?,
     })
 }
+
+/// A replay run as the store keeps it. The recorder does not depend on the replayer, so the run
+/// arrives as its scalar facts plus its summary JSON (`tapedeck.run.v1`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredRun {
+    /// Run ID.
+    pub id: String,
+    /// Summary format tag.
+    pub format: String,
+    /// Target spec replayed against.
+    pub target_spec: String,
+    /// `engine` or `http`.
+    pub target_kind: String,
+    /// Toggles of the target, canonical text, when known.
+    pub toggles: Option<String>,
+    /// Build of the target, when known.
+    pub build: Option<String>,
+    /// Start, µs since the epoch.
+    pub started_at_us: i64,
+    /// End, µs since the epoch.
+    pub ended_at_us: i64,
+    /// The run was cancelled.
+    pub cancelled: bool,
+    /// Any turn was flagged.
+    pub flagged: bool,
+    /// The whole summary, JSON.
+    pub summary_json: String,
+}
+
+/// One replayed turn of a stored run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredTurn {
+    /// Session.
+    pub session_id: String,
+    /// Turn index.
+    pub turn: i64,
+    /// Flags, comma-separated (empty when not flagged).
+    pub flags: String,
+    /// Error text of a failed turn.
+    pub error: Option<String>,
+    /// The turn's row, JSON.
+    pub row_json: String,
+}
+
+impl Store {
+    /// Writes a replay run and its turns in one transaction.
+    pub async fn save_run(&self, run: &StoredRun, turns: &[StoredTurn]) -> Result<()> {
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .map_err(Error::db("starting the run transaction"))?;
+        sqlx::query(
+            "INSERT INTO runs (id, format, target_spec, target_kind, toggles, build, \
+             started_at_us, ended_at_us, cancelled, flagged, summary_json) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&run.id)
+        .bind(&run.format)
+        .bind(&run.target_spec)
+        .bind(&run.target_kind)
+        .bind(&run.toggles)
+        .bind(&run.build)
+        .bind(run.started_at_us)
+        .bind(run.ended_at_us)
+        .bind(run.cancelled)
+        .bind(run.flagged)
+        .bind(&run.summary_json)
+        .execute(&mut *tx)
+        .await
+        .map_err(Error::db("inserting a run"))?;
+        for t in turns {
+            sqlx::query(
+                "INSERT INTO run_turns (run_id, session_id, turn, flagged, flags, error, row_json) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?)",
+            )
+            .bind(&run.id)
+            .bind(&t.session_id)
+            .bind(t.turn)
+            .bind(!t.flags.is_empty())
+            .bind(&t.flags)
+            .bind(&t.error)
+            .bind(&t.row_json)
+            .execute(&mut *tx)
+            .await
+            .map_err(Error::db("inserting a run turn"))?;
+        }
+        tx.commit().await.map_err(Error::db("committing a run"))
+    }
+
+    /// Every stored run, oldest first, without turns.
+    pub async fn runs(&self) -> Result<Vec<StoredRun>> {
+        self.runs_where(None).await
+    }
+
+    /// One stored run by ID.
+    pub async fn run(&self, id: &str) -> Result<Option<StoredRun>> {
+        Ok(self.runs_where(Some(id)).await?.pop())
+    }
+
+    async fn runs_where(&self, id: Option<&str>) -> Result<Vec<StoredRun>> {
+        let sql = format!(
+            "SELECT id, format, target_spec, target_kind, toggles, build, started_at_us, \
+             ended_at_us, cancelled, flagged, summary_json FROM runs {} ORDER BY started_at_us, id",
+            if id.is_some() { "WHERE id = ?" } else { "" }
+        );
+        let mut q = sqlx::query(&sql);
+        if let Some(id) = id {
+            q = q.bind(id);
+        }
+        let rows = q
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::db("listing runs"))?;
+        rows.iter()
+            .map(|r| {
+                Ok(StoredRun {
+                    id: get(r, "id")?,
+                    format: get(r, "format")?,
+                    target_spec: get(r, "target_spec")?,
+                    target_kind: get(r, "target_kind")?,
+                    toggles: get(r, "toggles")?,
+                    build: get(r, "build")?,
+                    started_at_us: get(r, "started_at_us")?,
+                    ended_at_us: get(r, "ended_at_us")?,
+                    cancelled: get(r, "cancelled")?,
+                    flagged: get(r, "flagged")?,
+                    summary_json: get(r, "summary_json")?,
+                })
+            })
+            .collect()
+    }
+
+    /// The turns of a stored run, in (session, turn) order.
+    pub async fn run_turns(&self, run_id: &str) -> Result<Vec<StoredTurn>> {
+        let rows = sqlx::query(
+            "SELECT session_id, turn, flags, error, row_json FROM run_turns WHERE run_id = ? \
+             ORDER BY session_id, turn",
+        )
+        .bind(run_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(Error::db("listing run turns"))?;
+        rows.iter()
+            .map(|r| {
+                Ok(StoredTurn {
+                    session_id: get(r, "session_id")?,
+                    turn: get(r, "turn")?,
+                    flags: get(r, "flags")?,
+                    error: get(r, "error")?,
+                    row_json: get(r, "row_json")?,
+                })
+            })
+            .collect()
+    }
+}

@@ -195,3 +195,52 @@ fn queue_policy_parses() {
     );
     assert!("sometimes".parse::<QueuePolicy>().is_err());
 }
+
+#[tokio::test]
+async fn replay_runs_round_trip_with_their_turns() {
+    use tapedeck_recorder::store::{StoredRun, StoredTurn};
+    let dir = tempfile::tempdir().unwrap();
+    let store = tapedeck_recorder::store::Store::open(&dir.path().join("runs.db"))
+        .await
+        .unwrap();
+    let run = StoredRun {
+        id: "run-1".into(),
+        format: "tapedeck.run.v1".into(),
+        target_spec: "engine:tiny-qwen2?matmul=bf16".into(),
+        target_kind: "engine".into(),
+        toggles: Some("matmul=bf16".into()),
+        build: None,
+        started_at_us: 10,
+        ended_at_us: 20,
+        cancelled: false,
+        flagged: true,
+        summary_json: r#"{"format":"tapedeck.run.v1"}"#.into(),
+    };
+    let turns = vec![
+        StoredTurn {
+            session_id: "s".into(),
+            turn: 1,
+            flags: "drift".into(),
+            error: None,
+            row_json: "{}".into(),
+        },
+        StoredTurn {
+            session_id: "s".into(),
+            turn: 0,
+            flags: String::new(),
+            error: Some("boom".into()),
+            row_json: "{}".into(),
+        },
+    ];
+    store.save_run(&run, &turns).await.unwrap();
+    assert_eq!(store.run("run-1").await.unwrap(), Some(run.clone()));
+    assert_eq!(store.runs().await.unwrap(), vec![run.clone()]);
+    let got = store.run_turns("run-1").await.unwrap();
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0].turn, 0);
+    assert_eq!(got[0].error.as_deref(), Some("boom"));
+    assert!(store.run("nope").await.unwrap().is_none());
+    // The same ID twice is an error, and the first run is untouched.
+    assert!(store.save_run(&run, &turns).await.is_err());
+    assert_eq!(store.run_turns("run-1").await.unwrap().len(), 2);
+}

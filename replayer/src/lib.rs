@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod report;
 pub mod run;
 pub mod session;
+pub mod stored;
 pub mod target;
 
 pub use error::{Error, Result};
