@@ -33,6 +33,9 @@ pub struct BenchArgs {
     /// Worker threads (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where the model runs: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: tapedeck_engine::backend::Device,
     /// Concurrency levels for the batched measurement (`0`: skip).
     #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 4, 16, 64])]
     pub concurrency: Vec<usize>,
@@ -105,6 +108,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 &dir,
                 &EngineOptions {
                     threads: args.threads,
+                    device: args.device,
                 },
             )
             .with_context(|| format!("loading {}", dir.display()))?,
@@ -112,11 +116,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let cfg = engine.config();
         let vocab = engine.tokenizer().vocab_size();
         println!(
-            "\n== {spec}: {:.1}M params, {} layers, hidden {}, {} threads, toggles: {}",
+            "\n== {spec}: {:.1}M params, {} layers, hidden {}, on {}, toggles: {}",
             cfg.num_params() as f64 / 1e6,
             cfg.num_layers,
             cfg.hidden_size,
-            engine.threads(),
+            engine.backend().describe(),
             if toggles.to_string().is_empty() {
                 "default".into()
             } else {

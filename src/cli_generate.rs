@@ -62,6 +62,9 @@ pub struct GenerateArgs {
     /// Worker threads (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where the model runs: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: tapedeck_engine::backend::Device,
 }
 
 /// Parses repeated `--toggle name=value` flags into a toggle set.
@@ -103,6 +106,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         &dir,
         &EngineOptions {
             threads: args.threads,
+            device: args.device,
         },
     )
     .with_context(|| format!("loading model from {}", dir.display()))?;

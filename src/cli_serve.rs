@@ -19,6 +19,9 @@ pub struct ServeArgs {
     /// Model directory (Hugging Face layout) or an embedded fixture name.
     #[arg(long, default_value = embedded::DEFAULT_MODEL)]
     pub model: String,
+    /// Where the model runs: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: tapedeck_engine::backend::Device,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub listen: SocketAddr,
@@ -86,6 +89,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         cfg.upstream = Some(up);
     }
     cfg.listen = args.listen;
+    cfg.device = args.device;
     cfg.db = args.db;
     cfg.max_queued_requests = args.max_queued;
     cfg.scheduler = (!args.no_batching).then(|| tapedeck_engine::scheduler::SchedulerConfig {
@@ -108,7 +112,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
     let what = match &cfg.upstream {
         Some(up) => format!("upstream {}", up.url),
-        None => format!("model {}", cfg.model.display()),
+        None => format!("model {} on {}", cfg.model.display(), cfg.device),
     };
     eprintln!(
         "tapedeck serve: {what}, listening on http://{}, recording to {}",

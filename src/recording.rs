@@ -41,7 +41,10 @@ impl LocalServer {
             tokio::task::spawn_blocking(move || {
                 tapedeck_engine::Engine::load_with(
                     &model,
-                    &tapedeck_engine::engine::EngineOptions { threads },
+                    &tapedeck_engine::engine::EngineOptions {
+                        threads,
+                        ..Default::default()
+                    },
                 )
             })
             .await??

@@ -1,12 +1,13 @@
 //! The engine a caller holds: model, tokenizer and chat template loaded from one directory, with
 //! `generate` and `score` over token IDs.
 //!
-//! This is the synchronous core. It runs one request's forward passes on its own thread pool; the
-//! serving scheduler batches many requests through [`Model::forward`] directly.
+//! This is the synchronous core. It runs one request's forward passes on its backend (CPU or
+//! CUDA); the serving scheduler batches many requests through [`Backend::forward`] directly.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::backend::{Backend, CpuBackend, Device};
 use crate::chat::{ChatTemplate, EncodeOptions, Encoding};
 use crate::config::Config;
 use crate::decoding::Decoding;
@@ -22,17 +23,19 @@ use crate::weights::WeightStore;
 /// How to load an engine.
 #[derive(Debug, Clone, Default)]
 pub struct EngineOptions {
-    /// Worker threads for forward passes (`None`: one per core).
+    /// Worker threads for forward passes on the CPU (`None`: one per core).
     pub threads: Option<usize>,
+    /// Where forward passes run.
+    pub device: Device,
 }
 
 /// A loaded model ready to serve. `Send + Sync`: share it behind an `Arc`.
 pub struct Engine {
     dir: PathBuf,
-    model: Model,
+    backend: Box<dyn Backend>,
+    context_len: usize,
     tokenizer: Tokenizer,
     template: ChatTemplate,
-    pool: rayon::ThreadPool,
 }
 
 /// The score of one given token under the model (teacher forcing).
@@ -68,19 +71,17 @@ impl Engine {
         }
         let mut ws = WeightStore::load(dir)?;
         let model = Model::load(cfg, &mut ws)?;
-        let mut builder = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("engine-{i}"));
-        if let Some(n) = opts.threads {
-            builder = builder.num_threads(n.max(1));
-        }
-        let pool = builder
-            .build()
-            .map_err(|e| Error::InvalidRequest(format!("cannot start worker threads: {e}")))?;
+        let context_len = model.context_len();
+        let backend: Box<dyn Backend> = match opts.device {
+            Device::Cpu => Box::new(CpuBackend::new(model, opts.threads)?),
+            Device::Cuda(ordinal) => Box::new(crate::cuda::CudaBackend::new(&model, ordinal)?),
+        };
         Ok(Engine {
             dir: dir.to_path_buf(),
-            model,
+            backend,
+            context_len,
             tokenizer,
             template,
-            pool,
         })
     }
 
@@ -97,14 +98,19 @@ impl Engine {
         &self.dir
     }
 
-    /// The model (for batched forward passes).
-    pub fn model(&self) -> &Model {
-        &self.model
+    /// The backend that runs forward passes (for batched passes and new KV pools).
+    pub fn backend(&self) -> &dyn Backend {
+        self.backend.as_ref()
+    }
+
+    /// The device forward passes run on.
+    pub fn device(&self) -> Device {
+        self.backend.device()
     }
 
     /// The model configuration.
     pub fn config(&self) -> &Config {
-        self.model.config()
+        self.backend.config()
     }
 
     /// The tokenizer.
@@ -119,17 +125,17 @@ impl Engine {
 
     /// The context window in tokens.
     pub fn context_len(&self) -> usize {
-        self.model.context_len()
-    }
-
-    /// Runs `f` on the engine's worker threads (forward passes parallelize there).
-    pub fn run_in_pool<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(f)
+        self.context_len
     }
 
     /// Worker threads used for forward passes.
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.backend.threads()
+    }
+
+    /// An empty single-sequence cache in the backend's memory.
+    fn new_cache(&self) -> Result<KvCache> {
+        Ok(KvCache::in_pool(self.backend.new_pool(16, 0)?))
     }
 
     /// Renders and tokenizes a chat.
@@ -150,11 +156,9 @@ impl Engine {
         want: WantLogits,
         toggles: &Toggles,
     ) -> Result<Vec<f32>> {
-        let (pool, seg) = cache.segment(tokens, decode, want);
+        let (pool, seg) = cache.segment(tokens, decode, want)?;
         let mut segs = [seg];
-        let mut out = self
-            .pool
-            .install(|| self.model.forward(pool, &mut segs, toggles))?;
+        let mut out = self.backend.forward(pool, &mut segs, toggles)?;
         Ok(out.pop().unwrap_or_default())
     }
 
@@ -183,7 +187,7 @@ impl Engine {
     ) -> Result<GenerateOutput> {
         let start = Instant::now();
         self.check_prompt(&req.prompt)?;
-        let mut cache = KvCache::new(self.config());
+        let mut cache = self.new_cache()?;
         let mut dec = Decoding::new(req, start);
         let mut logits = self.prefill(&req.prompt, &mut cache, &req.toggles)?;
         dec.prefilled();
@@ -222,12 +226,10 @@ impl Engine {
             } else {
                 WantLogits::None
             };
-            let (pool, mut seg) = cache.segment(piece, false, want);
+            let (pool, mut seg) = cache.segment(piece, false, want)?;
             seg.fault_chunk_boundary = toggles.fault_chunk_boundary && i > 0;
             let mut segs = [seg];
-            let mut out = self
-                .pool
-                .install(|| self.model.forward(pool, &mut segs, toggles))?;
+            let mut out = self.backend.forward(pool, &mut segs, toggles)?;
             if last {
                 logits = out.pop().unwrap_or_default();
             }
@@ -268,7 +270,7 @@ impl Engine {
                 context: self.context_len(),
             });
         }
-        let mut cache = KvCache::new(self.config());
+        let mut cache = self.new_cache()?;
         let vocab = self.config().vocab_size;
         let mut scores = Vec::with_capacity(tokens.len() - from);
         match mode {

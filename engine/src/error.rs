@@ -109,6 +109,10 @@ pub enum Error {
         /// The configured limit.
         limit: usize,
     },
+    /// The GPU backend could not start or failed (no driver, no device, a kernel that did not
+    /// compile, a CUDA call that returned an error); the message says which and why.
+    #[error("cuda: {0}")]
+    Device(String),
     /// The scheduler has stopped (its thread ended).
     #[error("the engine scheduler has stopped")]
     SchedulerStopped,

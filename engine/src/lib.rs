@@ -1,12 +1,14 @@
 //! tapedeck's inference engine.
 //!
 //! Loads Hugging Face Llama-family checkpoints (Llama, Qwen2, Mistral), encodes chats with the
-//! model's own template, and runs them on the CPU reference backend with precision and fault
-//! toggles. Its f32 path is the golden reference that toggled builds, GPU kernels and other servers
+//! model's own template, and runs them on the CPU reference backend or the CUDA backend
+//! ([`backend`]) with precision and fault toggles. Its f32 path is the golden reference that toggled builds, GPU kernels and other servers
 //! are compared against, so correctness comes before speed everywhere in this crate.
 
+pub mod backend;
 pub mod chat;
 pub mod config;
+pub mod cuda;
 pub mod decoding;
 pub mod engine;
 pub mod error;

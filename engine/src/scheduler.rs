@@ -170,7 +170,7 @@ impl EngineHandle {
             .store(num_blocks * block_bytes, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel();
         let mut core = Core {
-            pool: KvPool::new(engine.config(), cfg.block_size, num_blocks),
+            pool: engine.backend().new_pool(cfg.block_size, num_blocks)?,
             blocks: BlockManager::new(num_blocks),
             engine: engine.clone(),
             cfg: cfg.clone(),
@@ -554,7 +554,7 @@ impl Core {
             }
             let engine = &self.engine;
             let pool = &mut self.pool;
-            engine.run_in_pool(|| engine.model().forward(pool, &mut segs, &toggles))
+            engine.backend().forward(pool, &mut segs, &toggles)
         };
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let logits = match run {

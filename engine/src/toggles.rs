@@ -39,6 +39,20 @@ pub enum KvDtype {
     Fp8E4m3,
 }
 
+/// The decode attention kernel.
+///
+/// `MmaBf16` is the fast path of GPU engines: bf16 tensor-core MMAs (q, k, the softmax
+/// probabilities and v rounded to bf16, f32 accumulation), split over the context. On the CPU it is
+/// emulated bit for bit in its roundings; prefill attention is unaffected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum AttnDecode {
+    /// f32 on CUDA cores: the reference.
+    #[default]
+    SimtF32,
+    /// bf16 tensor cores, split-K over the context.
+    MmaBf16,
+}
+
 /// An encoding fault: a deliberately wrong prompt-encoding rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum EncodingFault {
@@ -61,6 +75,8 @@ pub struct Toggles {
     pub attn_scores: Precision,
     /// Storage type of cached keys and values.
     pub kv_dtype: KvDtype,
+    /// Decode attention kernel (decode steps only).
+    pub attn_decode: AttnDecode,
     /// Sparse decode attention: each decode step attends only to the N cached tokens with the
     /// highest scores (like a DSA "lightning indexer"). `None` attends to all tokens.
     pub decode_topk: Option<NonZeroUsize>,
@@ -87,6 +103,7 @@ impl Default for Toggles {
             matmul: Precision::F32,
             attn_scores: Precision::F32,
             kv_dtype: KvDtype::F32,
+            attn_decode: AttnDecode::SimtF32,
             decode_topk: None,
             fault_encoding: EncodingFault::Off,
             fault_context_window: None,
@@ -130,6 +147,12 @@ pub const REGISTRY: &[ToggleSpec] = &[
         values: "f32 | bf16 | fp8-e4m3",
         default: "f32",
         description: "storage type of the KV cache (fp8: per-token-head scale amax/448)",
+    },
+    ToggleSpec {
+        name: "attn_decode",
+        values: "simt-f32 | mma-bf16",
+        default: "simt-f32",
+        description: "decode attention kernel (mma-bf16: bf16 q/k/p/v, f32 accumulate)",
     },
     ToggleSpec {
         name: "decode_topk",
@@ -243,6 +266,13 @@ impl Toggles {
                     _ => return Err(bad(name, value)),
                 }
             }
+            "attn_decode" => {
+                self.attn_decode = match value {
+                    "simt-f32" => AttnDecode::SimtF32,
+                    "mma-bf16" => AttnDecode::MmaBf16,
+                    _ => return Err(bad(name, value)),
+                }
+            }
             "decode_topk" => self.decode_topk = parse_off_or_n(name, value)?,
             "fault.encoding" => {
                 self.fault_encoding = match value {
@@ -278,6 +308,11 @@ impl Toggles {
                 KvDtype::F32 => "f32",
                 KvDtype::Bf16 => "bf16",
                 KvDtype::Fp8E4m3 => "fp8-e4m3",
+            }
+            .to_string(),
+            "attn_decode" => match self.attn_decode {
+                AttnDecode::SimtF32 => "simt-f32",
+                AttnDecode::MmaBf16 => "mma-bf16",
             }
             .to_string(),
             "decode_topk" => off_or_n(self.decode_topk),
@@ -411,7 +446,8 @@ mod tests {
 
     #[test]
     fn text_form_round_trips_every_toggle() {
-        let s = "matmul=bf16,attn_scores=bf16,kv_dtype=fp8-e4m3,decode_topk=64,\
+        let s =
+            "matmul=bf16,attn_scores=bf16,kv_dtype=fp8-e4m3,attn_decode=mma-bf16,decode_topk=64,\
                  prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
                  fault.context_window=512,fault.prefix_cache=stale,fault.chunk=boundary";
         let t: Toggles = s.parse().unwrap();

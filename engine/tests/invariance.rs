@@ -27,6 +27,7 @@ fn engine(threads: usize) -> Arc<Engine> {
             &fixture("tiny-qwen2"),
             &EngineOptions {
                 threads: Some(threads),
+                ..Default::default()
             },
         )
         .unwrap(),

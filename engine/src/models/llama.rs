@@ -18,17 +18,17 @@ use crate::error::{Error, Result};
 use crate::numerics::{
     fake_quant_fp8_e4m3, matmul_t, rms_norm, round_bf16, round_bf16_slice, silu_mul,
 };
-use crate::toggles::{KvDtype, Precision, Toggles};
+use crate::toggles::{AttnDecode, KvDtype, Precision, Toggles};
 use crate::weights::WeightStore;
 
 /// A linear layer `y = x·Wᵀ + b` with `W` stored `(out, in)`.
-struct Linear {
+pub(crate) struct Linear {
     /// (out, in)
-    w: Vec<f32>,
+    pub(crate) w: Vec<f32>,
     /// (out)
-    b: Option<Vec<f32>>,
-    out: usize,
-    inp: usize,
+    pub(crate) b: Option<Vec<f32>>,
+    pub(crate) out: usize,
+    pub(crate) inp: usize,
     /// `w` rounded to bf16, made on first use of `matmul=bf16`.
     w_bf16: OnceLock<Vec<f32>>,
     /// The checkpoint stored `w` in bf16, so it is already bf16-exact.
@@ -85,18 +85,18 @@ impl Linear {
     }
 }
 
-struct Layer {
+pub(crate) struct Layer {
     /// (hidden)
-    attn_norm: Vec<f32>,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) o: Linear,
     /// (hidden)
-    mlp_norm: Vec<f32>,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    pub(crate) mlp_norm: Vec<f32>,
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
 }
 
 /// Which logits a segment wants back.
@@ -114,20 +114,27 @@ pub enum WantLogits {
 ///
 /// A sequence owns a [`BlockTable`] listing the blocks that hold its positions in order; two
 /// sequences with a common prefix can list the same full blocks (the prefix cache). Values are
-/// stored as f32 holding exactly what the `kv_dtype` toggle's storage type would hold.
-#[derive(Debug, Clone)]
+/// stored as f32 holding exactly what the `kv_dtype` toggle's storage type would hold, in host
+/// memory for the CPU backend or device memory for the CUDA one; the layout is the same.
+#[derive(Debug)]
 pub struct KvPool {
     block_size: usize,
     kv_dim: usize,
     num_blocks: usize,
-    /// Per layer: (num_blocks, block_size, kv_heads, head_dim) keys.
-    k: Vec<Vec<f32>>,
-    /// Per layer: (num_blocks, block_size, kv_heads, head_dim) values.
-    v: Vec<Vec<f32>>,
+    storage: KvStorage,
+}
+
+/// Where a pool's numbers live.
+#[derive(Debug)]
+pub(crate) enum KvStorage {
+    /// Per layer: (num_blocks, block_size, kv_heads, head_dim) keys and values.
+    Host { k: Vec<Vec<f32>>, v: Vec<Vec<f32>> },
+    /// The same layout in GPU memory.
+    Cuda(crate::cuda::DeviceKv),
 }
 
 impl KvPool {
-    /// A pool of `num_blocks` blocks of `block_size` positions for a model.
+    /// A host pool of `num_blocks` blocks of `block_size` positions for a model.
     pub fn new(cfg: &Config, block_size: usize, num_blocks: usize) -> Self {
         let kv_dim = cfg.num_kv_heads * cfg.head_dim;
         let per_layer = num_blocks * block_size * kv_dim;
@@ -135,8 +142,25 @@ impl KvPool {
             block_size,
             kv_dim,
             num_blocks,
-            k: vec![vec![0.0; per_layer]; cfg.num_layers],
-            v: vec![vec![0.0; per_layer]; cfg.num_layers],
+            storage: KvStorage::Host {
+                k: vec![vec![0.0; per_layer]; cfg.num_layers],
+                v: vec![vec![0.0; per_layer]; cfg.num_layers],
+            },
+        }
+    }
+
+    /// A pool over device storage (built by the CUDA backend).
+    pub(crate) fn on_device(
+        cfg: &Config,
+        block_size: usize,
+        num_blocks: usize,
+        kv: crate::cuda::DeviceKv,
+    ) -> Self {
+        KvPool {
+            block_size,
+            kv_dim: cfg.num_kv_heads * cfg.head_dim,
+            num_blocks,
+            storage: KvStorage::Cuda(kv),
         }
     }
 
@@ -155,18 +179,50 @@ impl KvPool {
         self.num_blocks
     }
 
-    /// Adds `n` blocks (for single-sequence use, where the pool grows with the sequence).
-    pub fn grow(&mut self, n: usize) {
-        self.num_blocks += n;
-        let per_layer = self.num_blocks * self.block_size * self.kv_dim;
-        for l in self.k.iter_mut().chain(self.v.iter_mut()) {
-            l.resize(per_layer, 0.0);
+    /// Where the pool lives: `"cpu"` or `"cuda"`.
+    pub fn location(&self) -> &'static str {
+        match self.storage {
+            KvStorage::Host { .. } => "cpu",
+            KvStorage::Cuda(_) => "cuda",
         }
+    }
+
+    /// Adds `n` blocks (for single-sequence use, where the pool grows with the sequence).
+    pub fn grow(&mut self, n: usize) -> Result<()> {
+        let new_blocks = self.num_blocks + n;
+        let per_layer = new_blocks * self.block_size * self.kv_dim;
+        match &mut self.storage {
+            KvStorage::Host { k, v } => {
+                for l in k.iter_mut().chain(v.iter_mut()) {
+                    l.resize(per_layer, 0.0);
+                }
+            }
+            KvStorage::Cuda(kv) => kv.grow(per_layer)?,
+        }
+        self.num_blocks = new_blocks;
+        Ok(())
     }
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|x| x.len() * 4).sum()
+        2 * self.num_layers() * self.num_blocks * self.block_size * self.kv_dim * 4
+    }
+
+    fn num_layers(&self) -> usize {
+        match &self.storage {
+            KvStorage::Host { k, .. } => k.len(),
+            KvStorage::Cuda(kv) => kv.num_layers(),
+        }
+    }
+
+    /// The device storage, for the CUDA backend.
+    pub(crate) fn device_mut(&mut self) -> Result<&mut crate::cuda::DeviceKv> {
+        match &mut self.storage {
+            KvStorage::Cuda(kv) => Ok(kv),
+            KvStorage::Host { .. } => Err(Error::Device(
+                "a host KV pool was passed to the CUDA backend".into(),
+            )),
+        }
     }
 }
 
@@ -182,7 +238,7 @@ pub struct BlockTable {
 impl BlockTable {
     /// Row index in the pool's per-layer arrays of position `pos`.
     #[inline]
-    fn slot(&self, pos: usize, block_size: usize) -> usize {
+    pub(crate) fn slot(&self, pos: usize, block_size: usize) -> usize {
         self.blocks[pos / block_size] as usize * block_size + pos % block_size
     }
 }
@@ -191,7 +247,7 @@ impl BlockTable {
 /// one request at a time; the scheduler shares one pool among many sequences instead.
 ///
 /// [`Engine`]: crate::Engine
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct KvCache {
     /// The pool.
     pub pool: KvPool,
@@ -200,10 +256,15 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// An empty cache for a model.
+    /// An empty host cache for a model (the CPU backend's).
     pub fn new(cfg: &Config) -> Self {
+        Self::in_pool(KvPool::new(cfg, 16, 0))
+    }
+
+    /// An empty cache over an empty pool of any backend.
+    pub fn in_pool(pool: KvPool) -> Self {
         KvCache {
-            pool: KvPool::new(cfg, 16, 0),
+            pool,
             table: BlockTable::default(),
         }
     }
@@ -219,13 +280,18 @@ impl KvCache {
     }
 
     /// Makes room for `n` more positions.
-    pub fn reserve(&mut self, n: usize) {
+    pub fn reserve(&mut self, n: usize) -> Result<()> {
         let bs = self.pool.block_size;
         let need = (self.table.len + n).div_ceil(bs);
-        while self.table.blocks.len() < need {
-            self.table.blocks.push(self.pool.num_blocks as u32);
-            self.pool.grow(1);
+        if self.table.blocks.len() < need {
+            let add = need - self.table.blocks.len();
+            let first = self.pool.num_blocks;
+            self.pool.grow(add)?;
+            self.table
+                .blocks
+                .extend((first..first + add).map(|b| b as u32));
         }
+        Ok(())
     }
 
     /// A segment over this cache.
@@ -234,9 +300,9 @@ impl KvCache {
         tokens: &'a [u32],
         decode: bool,
         want: WantLogits,
-    ) -> (&'a mut KvPool, Segment<'a>) {
-        self.reserve(tokens.len());
-        (
+    ) -> Result<(&'a mut KvPool, Segment<'a>)> {
+        self.reserve(tokens.len())?;
+        Ok((
             &mut self.pool,
             Segment {
                 tokens,
@@ -245,7 +311,7 @@ impl KvCache {
                 want,
                 fault_chunk_boundary: false,
             },
-        )
+        ))
     }
 }
 
@@ -267,18 +333,18 @@ pub struct Segment<'a> {
 
 /// A loaded model.
 pub struct Model {
-    cfg: Config,
+    pub(crate) cfg: Config,
     /// (vocab, hidden)
-    embed: Vec<f32>,
-    layers: Vec<Layer>,
+    pub(crate) embed: Vec<f32>,
+    pub(crate) layers: Vec<Layer>,
     /// (hidden)
-    norm: Vec<f32>,
+    pub(crate) norm: Vec<f32>,
     /// (vocab, hidden); `None` when tied to `embed`.
-    lm_head: Option<Linear>,
+    pub(crate) lm_head: Option<Linear>,
     /// Tied head as a Linear view over a copy of `embed` (kept separate so bf16 rounding is cached).
-    tied_head: Option<Linear>,
+    pub(crate) tied_head: Option<Linear>,
     /// (head_dim / 2)
-    inv_freq: Vec<f32>,
+    pub(crate) inv_freq: Vec<f32>,
 }
 
 impl Model {
@@ -369,6 +435,14 @@ impl Model {
         })
     }
 
+    /// The output head (the tied embedding or `lm_head`).
+    pub(crate) fn head(&self) -> Result<&Linear> {
+        self.lm_head
+            .as_ref()
+            .or(self.tied_head.as_ref())
+            .ok_or_else(|| Error::InvalidConfig("model has no output head".into()))
+    }
+
     /// The configuration.
     pub fn config(&self) -> &Config {
         &self.cfg
@@ -394,37 +468,21 @@ impl Model {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let (nh, nkv) = (cfg.num_heads, cfg.num_kv_heads);
         let (q_dim, kv_dim) = (nh * hd, nkv * hd);
-        // Per token of the batch: (segment, absolute position).
-        let mut where_: Vec<(usize, usize)> = Vec::new();
-        for (si, s) in segs.iter().enumerate() {
-            let start = s.table.len;
-            if (start + s.tokens.len()).div_ceil(pool.block_size) > s.table.blocks.len() {
-                return Err(Error::InvalidRequest(format!(
-                    "block table of {} blocks cannot hold {} positions",
-                    s.table.blocks.len(),
-                    start + s.tokens.len()
-                )));
-            }
-            if start + s.tokens.len() > self.context_len() {
-                return Err(Error::ContextOverflow {
-                    prompt_tokens: start + s.tokens.len(),
-                    context: self.context_len(),
-                });
-            }
-            for (i, &t) in s.tokens.iter().enumerate() {
-                if t as usize >= cfg.vocab_size {
-                    return Err(Error::InvalidRequest(format!(
-                        "token id {t} is outside the vocabulary of {}",
-                        cfg.vocab_size
-                    )));
-                }
-                where_.push((si, start + i));
-            }
-        }
+        let where_ = batch_positions(cfg, self.context_len(), pool.block_size(), segs)?;
         let n = where_.len();
         if n == 0 {
             return Ok(segs.iter().map(|_| Vec::new()).collect());
         }
+        let bs = pool.block_size;
+        let KvStorage::Host {
+            k: pool_k,
+            v: pool_v,
+        } = &mut pool.storage
+        else {
+            return Err(Error::Device(
+                "a device KV pool was passed to the CPU backend".into(),
+            ));
+        };
         let pm = toggles.matmul;
         // (n, hidden) residual stream
         let mut x = Vec::with_capacity(n * h);
@@ -465,11 +523,10 @@ impl Model {
                     }
                 }
             }
-            let bs = pool.block_size;
             for (t, &(si, pos)) in where_.iter().enumerate() {
                 let row = segs[si].table.slot(pos, bs) * kv_dim;
-                pool.k[li][row..row + kv_dim].copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
-                pool.v[li][row..row + kv_dim].copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
+                pool_k[li][row..row + kv_dim].copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
+                pool_v[li][row..row + kv_dim].copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
             }
             {
                 let views: Vec<SeqView> = segs
@@ -482,8 +539,8 @@ impl Model {
                     })
                     .collect();
                 let layer_kv = LayerKv {
-                    k: &pool.k[li],
-                    v: &pool.v[li],
+                    k: &pool_k[li],
+                    v: &pool_v[li],
                     block_size: bs,
                     kv_dim,
                     hd,
@@ -529,11 +586,7 @@ impl Model {
             s.table.len += s.tokens.len();
         }
         // Final norm and head only on the rows asked for.
-        let head = self
-            .lm_head
-            .as_ref()
-            .or(self.tied_head.as_ref())
-            .ok_or_else(|| Error::InvalidConfig("model has no output head".into()))?;
+        let head = self.head()?;
         let mut out = Vec::with_capacity(segs.len());
         let mut t0 = 0;
         for s in segs.iter() {
@@ -577,6 +630,43 @@ impl Model {
             }
         }
     }
+}
+
+/// Checks a batch of segments against the model and the pool and lists, for every token of the
+/// batch in order, `(segment index, absolute position)`. Every backend validates the same way.
+pub(crate) fn batch_positions(
+    cfg: &Config,
+    context_len: usize,
+    block_size: usize,
+    segs: &[Segment<'_>],
+) -> Result<Vec<(usize, usize)>> {
+    let mut where_: Vec<(usize, usize)> = Vec::new();
+    for (si, s) in segs.iter().enumerate() {
+        let start = s.table.len;
+        if (start + s.tokens.len()).div_ceil(block_size) > s.table.blocks.len() {
+            return Err(Error::InvalidRequest(format!(
+                "block table of {} blocks cannot hold {} positions",
+                s.table.blocks.len(),
+                start + s.tokens.len()
+            )));
+        }
+        if start + s.tokens.len() > context_len {
+            return Err(Error::ContextOverflow {
+                prompt_tokens: start + s.tokens.len(),
+                context: context_len,
+            });
+        }
+        for (i, &t) in s.tokens.iter().enumerate() {
+            if t as usize >= cfg.vocab_size {
+                return Err(Error::InvalidRequest(format!(
+                    "token id {t} is outside the vocabulary of {}",
+                    cfg.vocab_size
+                )));
+            }
+            where_.push((si, start + i));
+        }
+    }
+    Ok(where_)
 }
 
 /// One sequence as attention sees it during a pass.
@@ -651,7 +741,10 @@ fn attend_with(
     let hd = kv.hd;
     let bs = kv.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
-    let bf16 = toggles.attn_scores == Precision::Bf16;
+    // Bf16 operands for every attention (attn_scores) or for decode steps only (the bf16
+    // tensor-core decode kernel, attn_decode=mma-bf16).
+    let bf16 = toggles.attn_scores == Precision::Bf16
+        || (decode && toggles.attn_decode == AttnDecode::MmaBf16);
     qv.clear();
     qv.extend_from_slice(q);
     kbuf.clear();

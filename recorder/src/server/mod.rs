@@ -89,6 +89,8 @@ pub struct ServeConfig {
     pub db: PathBuf,
     /// Model directory to load.
     pub model: PathBuf,
+    /// Where the model runs.
+    pub device: tapedeck_engine::backend::Device,
     /// Requests allowed to wait for the engine before 429 (one-at-a-time backend).
     pub max_queued_requests: usize,
     /// Serve through the engine's continuous-batching scheduler (with its prefix cache) instead
@@ -107,6 +109,7 @@ impl ServeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
             db: PathBuf::from("tapedeck.db"),
             model: model.into(),
+            device: Default::default(),
             max_queued_requests: 256,
             scheduler: None,
             upstream: None,
@@ -497,7 +500,11 @@ pub async fn serve(config: ServeConfig) -> Result<WriterStats> {
 /// The in-process engine backend of a serve configuration.
 async fn local_backend(config: &ServeConfig) -> Result<Arc<dyn Backend>> {
     let dir = config.model.clone();
-    let engine = tokio::task::spawn_blocking(move || Engine::load(&dir))
+    let opts = tapedeck_engine::engine::EngineOptions {
+        device: config.device,
+        ..Default::default()
+    };
+    let engine = tokio::task::spawn_blocking(move || Engine::load_with(&dir, &opts))
         .await
         .map_err(|e| Error::Config(format!("model loading task failed: {e}")))??;
     let engine = Arc::new(engine);

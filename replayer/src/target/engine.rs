@@ -1,4 +1,7 @@
-//! The in-process engine as a target: `engine:DIR?name=value,...`.
+//! The in-process engine as a target: `engine:DIR?name=value,...`, where one of the pairs may be
+//! `device=cpu|cuda|cuda:N` (where forward passes run; the default is the CPU). The device is not a
+//! toggle: it changes where the numbers are computed, and a replay A/Bs devices by naming two
+//! targets.
 //!
 //! Turns go through one [`EngineHandle`], so concurrent sessions are batched by the engine's own
 //! continuous-batching scheduler exactly as `tapedeck serve` would batch them; the prompt IDs the
@@ -16,6 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::future::BoxFuture;
+use tapedeck_engine::backend::Device;
 use tapedeck_engine::chat::EncodeOptions;
 use tapedeck_engine::engine::EngineOptions;
 use tapedeck_engine::messages::MessageContent;
@@ -46,8 +50,28 @@ pub fn parse_spec(spec: &str) -> Result<(String, Toggles)> {
             "no model directory or fixture name after engine:".into()
         ));
     }
+    let toggles: String = toggles
+        .split(',')
+        .filter(|p| !p.trim_start().starts_with("device="))
+        .collect::<Vec<_>>()
+        .join(",");
     let toggles: Toggles = toggles.parse().map_err(|e| bad(format!("{e}")))?;
     Ok((model.to_string(), toggles))
+}
+
+/// The `device=` pair of an engine spec (the CPU when absent).
+pub fn spec_device(spec: &str) -> Result<Device> {
+    let query = spec.split_once('?').map_or("", |(_, q)| q);
+    match query
+        .split(',')
+        .find_map(|p| p.trim().strip_prefix("device="))
+    {
+        Some(d) => d.parse().map_err(|e| Error::TargetSpec {
+            spec: spec.to_string(),
+            message: format!("{e}"),
+        }),
+        None => Ok(Device::Cpu),
+    }
 }
 
 /// A target that runs turns on an in-process engine with a toggle set.
@@ -72,6 +96,7 @@ impl EngineTarget {
             &dir,
             &EngineOptions {
                 threads: opts.threads,
+                device: spec_device(spec)?,
             },
         )?;
         Self::new(Arc::new(engine), toggles, opts.scheduler.clone(), spec)
@@ -231,6 +256,17 @@ mod tests {
         let (m, t) = parse_spec("engine:/models/x").unwrap();
         assert_eq!(m, "/models/x");
         assert_eq!(t, Toggles::default());
+        let (m, t) = parse_spec("engine:tiny-qwen2?device=cuda:1,kv_dtype=bf16").unwrap();
+        assert_eq!(
+            (m.as_str(), t.to_string().as_str()),
+            ("tiny-qwen2", "kv_dtype=bf16")
+        );
+        assert_eq!(
+            spec_device("engine:tiny-qwen2?device=cuda:1,kv_dtype=bf16").unwrap(),
+            Device::Cuda(1)
+        );
+        assert_eq!(spec_device("engine:x?matmul=bf16").unwrap(), Device::Cpu);
+        assert!(spec_device("engine:x?device=tpu").is_err());
         assert!(parse_spec("engine:").is_err());
         assert!(parse_spec("engine:x?matmul=f64").is_err());
         assert!(parse_spec("x").is_err());

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs tapedeck's CUDA tests and GPU figures on a GPU machine, from executables built elsewhere
+# (the device machine has no Rust toolchain). Build them here first:
+#
+#   bash bench/cuda/build_for_device.sh      # -> .device/ (stripped test binaries + tapedeck)
+#
+# then, on the GPU machine, from the repository root:
+#
+#   bash bench/cuda/run_engine_tests.sh [OUT_DIR]
+#
+# cudarc loads libcuda from the driver and libnvrtc / libcublas / libcublasLt (CUDA 13) at run
+# time; the driver ships only libcuda, so the toolkit's (or PyTorch's bundled) folders are put on
+# LD_LIBRARY_PATH here.
+set -uo pipefail
+out="${1:-${OUT:-/tmp/tapedeck-gpu}}"
+mkdir -p "$out"
+bin=.device
+
+for lib in libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
+  f=$(find /usr/local /opt /usr/lib -name "$lib*" 2>/dev/null | head -1)
+  if [ -n "$f" ]; then
+    export LD_LIBRARY_PATH="$(dirname "$f")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  else
+    echo "warning: $lib not found"
+  fi
+done
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv || true
+export TAPEDECK_KERNEL_CACHE="$out/kernel-cache"
+export TAPEDECK_FIXTURES="$PWD/fixtures/models"
+
+status=0
+for t in "$bin"/test-*; do
+  [ -x "$t" ] || continue
+  echo "== $t"
+  # Test binaries find fixtures relative to CARGO_MANIFEST_DIR baked in at build time; run from a
+  # tree with the same layout by pointing it at this checkout.
+  if ! "$t" --test-threads=1 --nocapture 2>&1 | tee "$out/$(basename "$t").log"; then
+    status=1
+  fi
+done
+
+if [ -x "$bin/tapedeck" ]; then
+  echo "== tapedeck generate --device cuda"
+  "$bin/tapedeck" generate --device cuda --prompt "hello there" --max-tokens 16 2>&1 | tail -5
+  echo "== tapedeck bench engine --device cuda"
+  "$bin/tapedeck" bench engine --device cuda --model tiny-qwen2 --model llama-120m \
+    --concurrency 1,16,64 2>&1 | tee "$out/bench-engine-cuda.log"
+fi
+exit $status

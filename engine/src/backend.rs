@@ -1,0 +1,162 @@
+//! Where forward passes run: the [`Backend`] trait and its CPU implementation.
+//!
+//! The engine, the scheduler and teacher forcing talk to one trait, so the same scheduling code
+//! (continuous batching, chunked prefill, the paged KV pool and its prefix cache) drives the CPU
+//! reference and the CUDA backend alike, and a replay can A/B the two without either knowing. A
+//! backend owns its weights and allocates the KV pools its forward passes read and write; callers
+//! never write `#[cfg]` or check for a GPU themselves: asking for CUDA where there is none is a
+//! clear [`Error::Device`] at load time.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::model::{KvPool, Model, Segment};
+use crate::toggles::Toggles;
+
+/// Which device runs the forward passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    /// The CPU reference backend (always available).
+    #[default]
+    Cpu,
+    /// The CUDA backend on GPU number N.
+    Cuda(usize),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// Parses `cpu`, `cuda` (GPU 0) or `cuda:N`.
+impl FromStr for Device {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim();
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" | "gpu" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse::<usize>().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| {
+                    Error::InvalidRequest(format!(
+                        "unknown device {s:?} (expected cpu, cuda or cuda:N)"
+                    ))
+                }),
+        }
+    }
+}
+
+/// A place that runs the model: it owns the weights and allocates the KV pools it computes in.
+///
+/// `forward` appends each segment's tokens to its sequence's cache and returns the logits each
+/// segment asked for (`(rows, vocab)` flattened, f32), exactly as [`Model::forward`] documents.
+/// Implementations must keep a segment's results independent of the other segments in the batch
+/// as far as their arithmetic allows (the CPU backend does bit for bit; the CUDA backend states
+/// its tolerance).
+pub trait Backend: Send + Sync {
+    /// The device.
+    fn device(&self) -> Device;
+
+    /// One line for logs and build identities, e.g. `cuda:0 NVIDIA H200 (sm_90)`.
+    fn describe(&self) -> String;
+
+    /// The model configuration.
+    fn config(&self) -> &Config;
+
+    /// An empty-or-sized KV pool in this backend's memory.
+    fn new_pool(&self, block_size: usize, num_blocks: usize) -> Result<KvPool>;
+
+    /// Runs new tokens of several sequences through the model (see [`Model::forward`]).
+    fn forward(
+        &self,
+        pool: &mut KvPool,
+        segs: &mut [Segment<'_>],
+        toggles: &Toggles,
+    ) -> Result<Vec<Vec<f32>>>;
+
+    /// Worker threads used on the host (for the CPU backend, the compute threads).
+    fn threads(&self) -> usize;
+}
+
+/// The CPU reference: [`Model::forward`] on a private rayon pool.
+pub struct CpuBackend {
+    model: Model,
+    pool: rayon::ThreadPool,
+}
+
+impl CpuBackend {
+    /// Wraps a loaded model with `threads` worker threads (`None`: one per core).
+    pub fn new(model: Model, threads: Option<usize>) -> Result<Self> {
+        let mut builder = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("engine-{i}"));
+        if let Some(n) = threads {
+            builder = builder.num_threads(n.max(1));
+        }
+        let pool = builder
+            .build()
+            .map_err(|e| Error::InvalidRequest(format!("cannot start worker threads: {e}")))?;
+        Ok(CpuBackend { model, pool })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+}
+
+impl Backend for CpuBackend {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", self.pool.current_num_threads())
+    }
+
+    fn config(&self) -> &Config {
+        self.model.config()
+    }
+
+    fn new_pool(&self, block_size: usize, num_blocks: usize) -> Result<KvPool> {
+        Ok(KvPool::new(self.model.config(), block_size, num_blocks))
+    }
+
+    fn forward(
+        &self,
+        pool: &mut KvPool,
+        segs: &mut [Segment<'_>],
+        toggles: &Toggles,
+    ) -> Result<Vec<Vec<f32>>> {
+        self.pool
+            .install(|| self.model.forward(pool, segs, toggles))
+    }
+
+    fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse_and_print() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+        assert_eq!(Device::Cuda(2).to_string(), "cuda:2");
+        let e = "tpu".parse::<Device>().unwrap_err().to_string();
+        assert!(e.contains("cpu, cuda or cuda:N"), "{e}");
+        assert!("cuda:x".parse::<Device>().is_err());
+    }
+}

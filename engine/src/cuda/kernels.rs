@@ -1,0 +1,191 @@
+//! The CUDA C sources in `kernels/`, compiled by NVRTC for the GPU found and cached.
+//!
+//! Kernels are compiled for a virtual architecture (`compute_XY`): the PTX carries forward to any
+//! newer GPU, and the driver turns it into machine code for the exact chip. Compiling is slow
+//! (hundreds of milliseconds), so the PTX is cached twice: in memory for the life of the process
+//! (a hit takes only the read lock) and on disk under the user's cache directory, keyed by the
+//! SHA-256 of source and options, so a restart skips NVRTC entirely.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{OnceLock, RwLock};
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+/// One kernel source file.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSource {
+    /// File name under `kernels/`.
+    pub name: &'static str,
+    /// The CUDA C text.
+    pub code: &'static str,
+    /// Entry points the engine loads from it.
+    pub entry_points: &'static [&'static str],
+}
+
+/// The engine's kernels: norms, rotary, element-wise ops, the KV write and SIMT attention.
+pub const ENGINE: KernelSource = KernelSource {
+    name: "engine.cu",
+    code: include_str!("../../../kernels/engine.cu"),
+    entry_points: &[
+        "embed_gather",
+        "rms_norm",
+        "rope",
+        "silu_mul",
+        "add_inplace",
+        "add_bias",
+        "f32_to_bf16",
+        "kv_write",
+        "attention",
+        "attention_scores",
+        "topk_mask",
+    ],
+};
+
+/// Every kernel source shipped (what the portability test compiles for each architecture).
+pub const ALL: &[KernelSource] = &[ENGINE];
+
+/// The virtual architecture for a compute capability, e.g. `(9, 0)` → `compute_90`.
+pub fn virtual_arch(major: i32, minor: i32) -> String {
+    format!("compute_{major}{minor}")
+}
+
+/// True when the NVRTC library can be loaded (checked without panicking).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only probes whether the shared library can be opened.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+fn options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        // IEEE division and square root, no flush-to-zero, no fused contraction changes beyond
+        // the default: the kernels must compute what the CPU reference computes.
+        "--fmad=true".into(),
+        "--prec-div=true".into(),
+        "--prec-sqrt=true".into(),
+        "--ftz=false".into(),
+        "-default-device".into(),
+        "--std=c++17".into(),
+    ]
+}
+
+fn cache_key(src: &KernelSource, arch: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(src.code.as_bytes());
+    for o in options(arch) {
+        h.update(o.as_bytes());
+        h.update([0]);
+    }
+    let digest = hex::encode(h.finalize());
+    format!(
+        "{}-{}-{arch}",
+        src.name.trim_end_matches(".cu"),
+        &digest[..16]
+    )
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("TAPEDECK_KERNEL_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("tapedeck").join("kernels"))
+}
+
+fn memory_cache() -> &'static RwLock<HashMap<String, String>> {
+    static CACHE: OnceLock<RwLock<HashMap<String, String>>> = OnceLock::new();
+    CACHE.get_or_init(|| RwLock::new(HashMap::new()))
+}
+
+/// Compiles `src` to PTX for `arch` (e.g. `compute_90`) with NVRTC, without caching. The error
+/// carries NVRTC's log.
+pub fn compile_uncached(src: &KernelSource, arch: &str) -> Result<String> {
+    if !nvrtc_present() {
+        return Err(Error::Device(
+            "the NVRTC library (libnvrtc.so) was not found; add the CUDA toolkit's lib64 folder to \
+             LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: options(arch),
+        name: Some(src.name.to_string()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src.code, opts)
+        .map_err(|e| Error::Device(format!("kernels/{} for {arch}: {e:?}", src.name)))?;
+    Ok(ptx.to_src())
+}
+
+/// PTX of `src` for `arch`, from the memory cache, the disk cache, or NVRTC (filling both).
+pub fn ptx(src: &KernelSource, arch: &str) -> Result<String> {
+    let key = cache_key(src, arch);
+    if let Ok(map) = memory_cache().read() {
+        if let Some(p) = map.get(&key) {
+            return Ok(p.clone());
+        }
+    }
+    let mut map = memory_cache()
+        .write()
+        .map_err(|_| Error::Device("kernel cache lock poisoned".into()))?;
+    if let Some(p) = map.get(&key) {
+        return Ok(p.clone());
+    }
+    let file = cache_dir().map(|d| d.join(format!("{key}.ptx")));
+    let from_disk = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok());
+    let text = match from_disk {
+        Some(t) if t.contains(".entry") => t,
+        _ => {
+            let t = compile_uncached(src, arch)?;
+            if let Some(f) = &file {
+                // A cache that cannot be written only costs a recompile next time.
+                if let Some(dir) = f.parent() {
+                    let _ = std::fs::create_dir_all(dir);
+                }
+                let tmp = f.with_extension(format!("tmp{}", std::process::id()));
+                if std::fs::write(&tmp, &t).is_ok() {
+                    let _ = std::fs::rename(&tmp, f);
+                }
+            }
+            t
+        }
+    };
+    map.insert(key, text.clone());
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_keys_change_with_source_and_arch() {
+        let a = cache_key(&ENGINE, "compute_90");
+        let b = cache_key(&ENGINE, "compute_120");
+        assert_ne!(a, b);
+        let other = KernelSource {
+            code: "extern \"C\" __global__ void k() {}",
+            ..ENGINE
+        };
+        assert_ne!(cache_key(&other, "compute_90"), a);
+        assert!(
+            a.starts_with("engine-") && a.ends_with("-compute_90"),
+            "{a}"
+        );
+    }
+
+    #[test]
+    fn every_entry_point_is_in_its_source() {
+        for src in ALL {
+            for e in src.entry_points {
+                let decl = format!("__global__ void {e}(");
+                assert!(src.code.contains(&decl), "{} lacks {decl}", src.name);
+            }
+        }
+    }
+}

@@ -1,0 +1,507 @@
+// decode_attention_mma.cu -- bf16 tensor-core decode attention over a paged KV cache,
+// split-K over the context, with a separate combine kernel.
+//
+// Self-contained for NVRTC: no #include. Builds for compute_90 and compute_120 (and sm_80+).
+// Tensor cores only through mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (inline PTX),
+// operands staged with cp.async and read with ldmatrix. No wgmma, no tcgen05.
+// Design, numerics and measured figures: docs/cuda_decode_attention.md.
+//
+// Entry points (all extern "C"):
+//   decode_attn_mma_bf16kv(out, q, k_pool, v_pool, block_tables, context_lens, partial_out,
+//                          partial_ml, max_blocks_per_seq, num_heads, num_kv_heads, block_size,
+//                          head_dim, split_len, max_splits, scale)   K/V elements: bf16 bits (u16)
+//   decode_attn_mma_f32kv (same arguments)                            K/V elements: f32
+//   decode_attn_combine(out, partial_out, partial_ml, context_lens, num_heads, head_dim,
+//                       split_len, max_splits)
+//
+// Launch (host rule, see the doc):
+//   mma kernels: grid (num_kv_heads, num_seqs, max_splits), block 128 threads,
+//                dynamic shared memory DA_SMEM_BYTES (65536; raise the function's
+//                MAX_DYNAMIC_SHARED_SIZE_BYTES attribute to it first).
+//   combine:     grid (num_heads, num_seqs), block 256 threads, no dynamic shared memory.
+//                Always launch it after the mma kernel (it writes out[] for len == 0 and for
+//                sequences that needed more than one split; single-split sequences are written by
+//                the mma kernel directly and the combine kernel leaves them alone).
+// Requirements: head_dim in {64, 128}; num_heads % num_kv_heads == 0 and
+//   num_heads / num_kv_heads <= 16; block_size a multiple of 16; split_len a multiple of 16;
+//   ceil(context_len / split_len) <= max_splits for every sequence. Shapes outside these are
+//   left unwritten (the kernel returns), never read out of bounds.
+//
+// Layouts: K and V pools [num_blocks][block_size][num_kv_heads][head_dim] row-major;
+//   q, out [num_seqs][num_heads][head_dim] f32; block_tables [num_seqs][max_blocks_per_seq];
+//   partial_out [num_seqs][num_heads][max_splits][head_dim] (per-split output, already divided
+//   by its own sum); partial_ml [num_seqs][num_heads][max_splits][2] = (max, sum), the max in
+//   the log2 domain (score * scale * log2(e)).
+
+#ifndef DA_SMEM_BYTES
+#define DA_SMEM_BYTES 65536
+#endif
+#define DA_WARPS 4
+#define DA_THREADS 128
+#define DA_COMBINE_THREADS 256
+
+namespace da {
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  unsigned r;
+  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 2^x, ex2.approx.ftz (max relative error 2^-22 per the PTX ISA); ex2(-inf) = +0.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two f32 -> packed bf16x2, round to nearest even. `lo` lands in bits 0..15.
+__device__ __forceinline__ unsigned pack_bf16x2_rne(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float bf16_bits_to_f32(unsigned short b) {
+  return __uint_as_float(((unsigned)b) << 16);
+}
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr)
+               : "memory");
+}
+
+// d += a * b, m16n8k16, bf16 inputs, f32 accumulate.
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Per-variant compile-time geometry. A "tile" is 16 consecutive positions of one KV head.
+// Each warp owns DA_SMEM_BYTES / DA_WARPS bytes of shared memory: a ring of STAGES stages, each
+// holding the K tile then the V tile as staged from global memory (bf16: already in the final
+// swizzled bf16 layout; f32: raw f32, converted in place to that bf16 layout before use).
+template <typename T, int D>
+struct Geo {
+  static constexpr int ES = (int)sizeof(T);
+  static constexpr int CPR = D * ES / 16;     // 16-byte chunks per staged row
+  static constexpr int CPL = 16 * CPR / 32;   // chunks per lane per matrix
+  static constexpr int EPC = 16 / ES;         // elements per chunk
+  static constexpr int MAT = 16 * D * ES;     // staged bytes of one matrix (K or V)
+  static constexpr int STAGE = 2 * MAT;
+  static constexpr int REGION = DA_SMEM_BYTES / DA_WARPS;
+  static constexpr int STAGES = REGION / STAGE;
+  static constexpr int RB = 2 * D;            // bytes per row of the bf16 tile
+};
+
+// Byte offset of 16-byte chunk `ch` of row `r` in a swizzled bf16 tile (conflict-free ldmatrix).
+template <int D>
+__device__ __forceinline__ unsigned swz(int r, int ch) {
+  return (unsigned)(r * (2 * D) + ((ch ^ (r & 7)) << 4));
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void issue_tile(unsigned sdst, const T* __restrict__ kp, const T* __restrict__ vp,
+                                           long long rowbase, long long rowstride, int nvalid, int lane) {
+  typedef Geo<T, D> G;
+#pragma unroll
+  for (int k = 0; k < G::CPL; ++k) {
+    const int idx = lane + 32 * k;
+    const int r = idx / G::CPR;
+    const int cc = idx % G::CPR;
+    const unsigned so = (G::ES == 2) ? swz<D>(r, cc) : (unsigned)(r * (4 * D) + (cc << 4));
+    const bool ok = r < nvalid;
+    const long long eo = ok ? rowbase + (long long)r * rowstride + (long long)(cc * G::EPC) : 0;
+    const int nb = ok ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled, nothing is read
+    cp_async16(sdst + so, kp + eo, nb);
+    cp_async16(sdst + G::MAT + so, vp + eo, nb);
+  }
+}
+
+// In place: f32 [16][D] row-major at `base` -> swizzled bf16 [16][D] in its first 32*D bytes.
+// Rows 0..7 are read by every lane before any write; rows 8..15 are read from bytes that no
+// write touches, and written over f32 rows 4..7, which were read before the first __syncwarp.
+template <int D>
+__device__ __forceinline__ void convert_f32_tile_inplace(unsigned char* base, int lane) {
+  constexpr int PER = D / 16;  // float4 chunks per lane per half (8 rows * D floats / 4 / 32)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float4 v[PER];
+    const float4* src = reinterpret_cast<const float4*>(base + half * 32 * D);
+#pragma unroll
+    for (int k = 0; k < PER; ++k) v[k] = src[lane + 32 * k];
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int idx = lane + 32 * k;
+      const int r = half * 8 + idx / (D / 4);
+      const int fc = idx % (D / 4);
+      uint2 w;
+      w.x = pack_bf16x2_rne(v[k].x, v[k].y);
+      w.y = pack_bf16x2_rne(v[k].z, v[k].w);
+      *reinterpret_cast<uint2*>(base + swz<D>(r, fc >> 1) + ((fc & 1) << 3)) = w;
+    }
+  }
+}
+
+// One 16-position tile: S = Q K^T (2 n-tiles of 8 positions), online softmax in the log2
+// domain, O = O * alpha + bf16(P) V.
+template <int D>
+__device__ __forceinline__ void compute_tile(unsigned sK, unsigned sV, const unsigned (&qf)[D / 16][4],
+                                             float (&o)[D / 8][4], float& m0, float& m1, float& l0, float& l1,
+                                             int nvalid, float sl2, int lane) {
+  const int c = lane & 3;
+  float s[2][4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+
+  const int prow = (lane & 7) + ((lane >> 4) << 3);
+  const int pch = (lane >> 3) & 1;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    unsigned b0, b1, b2, b3;
+    ldsm_x4(sK + swz<D>(prow, 2 * kk + pch), b0, b1, b2, b3);
+    mma_bf16_16816(s[0], qf[kk], b0, b1);
+    mma_bf16_16816(s[1], qf[kk], b2, b3);
+  }
+
+  const float NEG = neg_inf();
+  float t[2][4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const bool ok = (8 * j + 2 * c + e) < nvalid;
+      t[j][e] = ok ? s[j][e] * sl2 : NEG;
+      t[j][2 + e] = ok ? s[j][2 + e] * sl2 : NEG;
+    }
+  float mx0 = fmaxf(fmaxf(t[0][0], t[0][1]), fmaxf(t[1][0], t[1][1]));
+  float mx1 = fmaxf(fmaxf(t[0][2], t[0][3]), fmaxf(t[1][2], t[1][3]));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  // Position 0 of every processed tile is valid, so mn0/mn1 are finite; m0 = -inf gives alpha 0.
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  const float a0 = ex2(m0 - mn0), a1 = ex2(m1 - mn1);
+  m0 = mn0;
+  m1 = mn1;
+  float p[2][4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    p[j][0] = ex2(t[j][0] - mn0);
+    p[j][1] = ex2(t[j][1] - mn0);
+    p[j][2] = ex2(t[j][2] - mn1);
+    p[j][3] = ex2(t[j][3] - mn1);
+  }
+  l0 = l0 * a0 + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
+  l1 = l1 * a1 + ((p[0][2] + p[0][3]) + (p[1][2] + p[1][3]));
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    o[j][0] *= a0;
+    o[j][1] *= a0;
+    o[j][2] *= a1;
+    o[j][3] *= a1;
+  }
+  unsigned pa[4];
+  pa[0] = pack_bf16x2_rne(p[0][0], p[0][1]);
+  pa[1] = pack_bf16x2_rne(p[0][2], p[0][3]);
+  pa[2] = pack_bf16x2_rne(p[1][0], p[1][1]);
+  pa[3] = pack_bf16x2_rne(p[1][2], p[1][3]);
+
+  const int vrow = (lane & 7) + (((lane >> 3) & 1) << 3);
+  const int vch = lane >> 4;
+#pragma unroll
+  for (int jj = 0; jj < D / 16; ++jj) {
+    unsigned b0, b1, b2, b3;
+    ldsm_x4_t(sV + swz<D>(vrow, 2 * jj + vch), b0, b1, b2, b3);
+    mma_bf16_16816(o[2 * jj], pa, b0, b1);
+    mma_bf16_16816(o[2 * jj + 1], pa, b2, b3);
+  }
+}
+
+// Block-table entries for a warp's local tiles 32*R .. 32*R+31, one per lane.
+__device__ __forceinline__ int load_bt_round(const int* __restrict__ btrow, int R, int my_n, int warp, int lane,
+                                             int start, int bs) {
+  const int x = 32 * R + lane;
+  if (x >= my_n) return 0;
+  const int pos0 = start + (warp + x * DA_WARPS) * 16;
+  return btrow[pos0 / bs];
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* __restrict__ q,
+                                         const T* __restrict__ kp, const T* __restrict__ vp,
+                                         const int* __restrict__ block_tables, const int* __restrict__ context_lens,
+                                         float* __restrict__ partial_out, float* __restrict__ partial_ml, int mbps,
+                                         int nh, int nkv, int bs, int split_len, int max_splits, float scale,
+                                         unsigned char* smem) {
+  typedef Geo<T, D> G;
+  static_assert(G::STAGES >= 1, "DA_SMEM_BYTES too small");
+  static_assert(32 + 16 * D <= G::REGION / 4, "epilogue does not fit the warp region");
+
+  const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
+  if (nkv <= 0 || nh % nkv != 0) return;
+  const int group = nh / nkv;
+  if (group < 1 || group > 16 || (bs & 15) != 0 || bs <= 0 || (split_len & 15) != 0 || split_len <= 0) return;
+  if (split >= max_splits) return;
+  const int len = context_lens[seq];
+  const int start = split * split_len;
+  if (start >= len) return;  // uniform over the block
+  const int end = min(len, start + split_len);
+  const int nsplits = (len + split_len - 1) / split_len;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, c = lane & 3;
+  unsigned char* wreg = smem + warp * G::REGION;
+  const unsigned wreg_s = smem_u32(wreg);
+
+  // Q fragments (A operand, rows = the group's query heads, padded with zeros to 16).
+  unsigned qf[D / 16][4];
+  {
+    const float* qh = q + ((size_t)seq * nh + (size_t)kvh * group) * D;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int d0 = kk * 16 + 2 * c;
+      float2 a, a8, b, b8;
+      a.x = a.y = a8.x = a8.y = b.x = b.y = b8.x = b8.y = 0.f;
+      if (g < group) {
+        a = *reinterpret_cast<const float2*>(qh + (size_t)g * D + d0);
+        a8 = *reinterpret_cast<const float2*>(qh + (size_t)g * D + d0 + 8);
+      }
+      if (g + 8 < group) {
+        b = *reinterpret_cast<const float2*>(qh + (size_t)(g + 8) * D + d0);
+        b8 = *reinterpret_cast<const float2*>(qh + (size_t)(g + 8) * D + d0 + 8);
+      }
+      qf[kk][0] = pack_bf16x2_rne(a.x, a.y);
+      qf[kk][1] = pack_bf16x2_rne(b.x, b.y);
+      qf[kk][2] = pack_bf16x2_rne(a8.x, a8.y);
+      qf[kk][3] = pack_bf16x2_rne(b8.x, b8.y);
+    }
+  }
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;
+  const float sl2 = scale * 1.4426950408889634f;
+
+  const int ntiles = (end - start + 15) >> 4;
+  const int my_n = (ntiles > warp) ? (ntiles - warp + DA_WARPS - 1) / DA_WARPS : 0;
+  const long long rowstride = (long long)nkv * D;
+  const int* btrow = block_tables + (size_t)seq * mbps;
+
+  // Physical block numbers, prefetched 32 tiles at a time, two rounds in flight.
+  int bt_even = load_bt_round(btrow, 0, my_n, warp, lane, start, bs);
+  int bt_odd = load_bt_round(btrow, 1, my_n, warp, lane, start, bs);
+
+  int nx = 0;  // next local tile to issue
+#define DA_ISSUE_NEXT(SLOT)                                                                  \
+  {                                                                                          \
+    const int slot_ = (SLOT);                                                                \
+    const int R_ = nx >> 5;                                                                  \
+    const int phys_ = __shfl_sync(0xffffffffu, (R_ & 1) ? bt_odd : bt_even, nx & 31);        \
+    if ((nx & 31) == 0 && R_ >= 1) {                                                         \
+      const int nv_ = load_bt_round(btrow, R_ + 1, my_n, warp, lane, start, bs);             \
+      if (R_ & 1) bt_even = nv_; else bt_odd = nv_;                                          \
+    }                                                                                        \
+    const int pos0_ = start + (warp + nx * DA_WARPS) * 16;                                   \
+    const int blk_ = pos0_ / bs;                                                             \
+    const int off_ = pos0_ - blk_ * bs;                                                      \
+    const long long rowbase_ = (((long long)phys_ * bs + off_) * nkv + kvh) * (long long)D;  \
+    issue_tile<T, D>(wreg_s + slot_ * G::STAGE, kp, vp, rowbase_, rowstride, len - pos0_, lane); \
+    ++nx;                                                                                    \
+  }
+
+#pragma unroll
+  for (int i = 0; i < G::STAGES - 1; ++i) {
+    if (nx < my_n) DA_ISSUE_NEXT(i);
+    cp_async_commit();
+  }
+  for (int i = 0; i < my_n; ++i) {
+    if (nx < my_n) DA_ISSUE_NEXT(nx % G::STAGES);
+    cp_async_commit();
+    cp_async_wait<G::STAGES - 1>();
+    __syncwarp();
+    const int slot = i % G::STAGES;
+    if (G::ES == 4) {
+      convert_f32_tile_inplace<D>(wreg + slot * G::STAGE, lane);
+      convert_f32_tile_inplace<D>(wreg + slot * G::STAGE + G::MAT, lane);
+      __syncwarp();
+    }
+    const unsigned sb = wreg_s + slot * G::STAGE;
+    const int pos0 = start + (warp + i * DA_WARPS) * 16;
+    compute_tile<D>(sb, sb + G::MAT, qf, o, m0, m1, l0, l1, len - pos0, sl2, lane);
+    __syncwarp();
+  }
+#undef DA_ISSUE_NEXT
+  cp_async_wait<0>();
+
+  // Row sums: each lane holds a partial over its columns.
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  __syncwarp();
+
+  // Epilogue: every warp parks (m, l, O) in its own region, then the block merges the 4 warps.
+  float* wf = reinterpret_cast<float*>(wreg);
+  if (c == 0) {
+    wf[2 * g] = m0;
+    wf[2 * g + 1] = l0;
+    wf[2 * (g + 8)] = m1;
+    wf[2 * (g + 8) + 1] = l1;
+  }
+  float* wo = wf + 32;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    float2 u, v;
+    u.x = o[j][0];
+    u.y = o[j][1];
+    v.x = o[j][2];
+    v.y = o[j][3];
+    *reinterpret_cast<float2*>(wo + g * D + 8 * j + 2 * c) = u;
+    *reinterpret_cast<float2*>(wo + (g + 8) * D + 8 * j + 2 * c) = v;
+  }
+  __syncthreads();
+
+  for (int idx = threadIdx.x; idx < group * D; idx += DA_THREADS) {
+    const int r = idx / D, d = idx % D;
+    float M = neg_inf();
+#pragma unroll
+    for (int w = 0; w < DA_WARPS; ++w) M = fmaxf(M, reinterpret_cast<const float*>(smem + w * G::REGION)[2 * r]);
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < DA_WARPS; ++w) {
+      const float* b = reinterpret_cast<const float*>(smem + w * G::REGION);
+      const float wt = ex2(b[2 * r] - M);  // empty warp: m = -inf -> 0
+      L += wt * b[2 * r + 1];
+      O += wt * b[32 + r * D + d];
+    }
+    const size_t sh = (size_t)seq * nh + (size_t)kvh * group + r;
+    if (nsplits == 1) {
+      out[sh * D + d] = O / L;
+    } else {
+      const size_t ps = sh * max_splits + split;
+      partial_out[ps * D + d] = O / L;
+      if (d == 0) {
+        partial_ml[ps * 2] = M;
+        partial_ml[ps * 2 + 1] = L;
+      }
+    }
+  }
+}
+
+}  // namespace da
+
+extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
+decode_attn_mma_bf16kv(float* out, const float* q, const unsigned short* k_pool, const unsigned short* v_pool,
+                       const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,
+                       int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
+                       int split_len, int max_splits, float scale) {
+  extern __shared__ __align__(16) unsigned char da_smem[];
+  if (head_dim == 64)
+    da::mma_impl<unsigned short, 64>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
+                                     max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len,
+                                     max_splits, scale, da_smem);
+  else if (head_dim == 128)
+    da::mma_impl<unsigned short, 128>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
+                                      max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len,
+                                      max_splits, scale, da_smem);
+}
+
+extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
+decode_attn_mma_f32kv(float* out, const float* q, const float* k_pool, const float* v_pool,
+                      const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,
+                      int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
+                      int split_len, int max_splits, float scale) {
+  extern __shared__ __align__(16) unsigned char da_smem[];
+  if (head_dim == 64)
+    da::mma_impl<float, 64>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
+                            max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len, max_splits, scale,
+                            da_smem);
+  else if (head_dim == 128)
+    da::mma_impl<float, 128>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
+                             max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len, max_splits, scale,
+                             da_smem);
+}
+
+// Merge the splits: out = sum_s w_s * O_s / sum_s w_s with w_s = 2^(m_s - max m) * l_s.
+// grid (num_heads, num_seqs), block DA_COMBINE_THREADS.
+extern "C" __global__ void __launch_bounds__(DA_COMBINE_THREADS)
+decode_attn_combine(float* out, const float* partial_out, const float* partial_ml, const int* context_lens,
+                    int num_heads, int head_dim, int split_len, int max_splits) {
+  __shared__ float red_m[DA_COMBINE_THREADS / 32];
+  __shared__ float acc_s[DA_COMBINE_THREADS];
+  __shared__ float wsum_s[DA_COMBINE_THREADS];
+  const int h = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x;
+  if (h >= num_heads || head_dim <= 0 || head_dim > DA_COMBINE_THREADS || split_len <= 0) return;
+  const int len = context_lens[seq];
+  const size_t sh = (size_t)seq * num_heads + h;
+  if (len <= 0) {
+    for (int d = tid; d < head_dim; d += DA_COMBINE_THREADS) out[sh * head_dim + d] = 0.f;
+    return;
+  }
+  int ns = (len + split_len - 1) / split_len;
+  if (ns <= 1) return;  // written by the mma kernel
+  if (ns > max_splits) ns = max_splits;
+  const float* ml = partial_ml + sh * max_splits * 2;
+  const float* po = partial_out + sh * max_splits * head_dim;
+
+  float M = da::neg_inf();
+  for (int s = tid; s < ns; s += DA_COMBINE_THREADS) M = fmaxf(M, ml[2 * s]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  if ((tid & 31) == 0) red_m[tid >> 5] = M;
+  __syncthreads();
+  M = red_m[0];
+#pragma unroll
+  for (int w = 1; w < DA_COMBINE_THREADS / 32; ++w) M = fmaxf(M, red_m[w]);
+
+  const int parts = DA_COMBINE_THREADS / head_dim;
+  const int part = tid / head_dim, d = tid % head_dim;
+  float acc = 0.f, wsum = 0.f;
+  if (part < parts) {
+#pragma unroll 4
+    for (int s = part; s < ns; s += parts) {
+      const float wt = da::ex2(ml[2 * s] - M) * ml[2 * s + 1];
+      acc += wt * po[(size_t)s * head_dim + d];
+      wsum += wt;
+    }
+  }
+  acc_s[tid] = acc;
+  wsum_s[tid] = wsum;
+  __syncthreads();
+  if (tid < head_dim) {
+    float A = 0.f, W = 0.f;
+    for (int p = 0; p < parts; ++p) {
+      A += acc_s[p * head_dim + tid];
+      W += wsum_s[p * head_dim + tid];
+    }
+    out[sh * head_dim + tid] = A / W;
+  }
+}
