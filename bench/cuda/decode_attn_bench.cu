@@ -68,18 +68,22 @@ struct Rng {  // splitmix64 + Box-Muller; seeded from std::random_device: fresh 
 };
 
 static int g_nsm = 132;
-static int g_ctas_per_sm = 8;   // split rule: aim for this many CTAs per SM
+static int g_ctas_per_sm = 3;   // resident mma CTAs per SM (occupancy API; 3 on an H200 at 64 KB smem)
+static int g_waves = 5;         // split rule, large batch: about this many waves of CTAs
 static int g_min_split = 256;   // split rule: never fewer positions per split
 static int g_fails = 0;
 
-// The host-side rule (mirrored in docs/cuda_decode_attention.md): enough CTAs to fill the GPU
-// several times over, splits a multiple of 64 positions (16 per warp), at least g_min_split.
+// The host-side rule (mirrored in docs/cuda_decode_attention.md). slots = resident CTAs on the
+// GPU. A small batch (fewer (seq, KV head) pairs than slots) is split so that its CTAs fill one
+// wave exactly: every CTA is resident from the start, and no second, partial wave. A large
+// batch is split into about g_waves waves, so the partial last wave costs little. Splits are a
+// multiple of 64 positions (16 per warp) and at least g_min_split.
 static void choose_split(int num_seqs, int num_kv_heads, int max_len, int* split_len, int* max_splits) {
+  const long long slots = (long long)g_ctas_per_sm * g_nsm;
   const long long base = (long long)num_seqs * num_kv_heads;
-  const long long target = (long long)g_ctas_per_sm * g_nsm;
-  long long want = (target + base - 1) / base;
-  if (want < 1) want = 1;
-  long long sl = (max_len + want - 1) / want;
+  long long splits = base >= slots ? (g_waves * slots + base - 1) / base : slots / base;
+  if (splits < 1) splits = 1;
+  long long sl = (max_len + splits - 1) / splits;
   sl = (sl + 63) / 64 * 64;
   if (sl < g_min_split) sl = g_min_split;
   *split_len = (int)sl;
@@ -314,6 +318,7 @@ static KernelSet runtime_set() {
   int occ = 0;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, ks.mma_bf16.rt, DA_THREADS, DA_SMEM_BYTES));
   std::printf("occupancy: %d blocks/SM of %d threads with %d B dynamic smem\n", occ, DA_THREADS, DA_SMEM_BYTES);
+  if (occ > 0) g_ctas_per_sm = occ;
   return ks;
 }
 
@@ -381,13 +386,15 @@ struct DecodeArgs {
   bool f32kv;
 };
 
-static void launch_decode(const KernelSet& ks, DecodeArgs a, cudaStream_t s) {
+// parts: 1 = the mma kernel, 2 = the combine kernel, 3 = both (the real thing)
+static void launch_decode(const KernelSet& ks, DecodeArgs a, cudaStream_t s, int parts = 3) {
   void* args[] = {&a.out, &a.q, &a.k, &a.v, &a.bt, &a.lens, &a.pout, &a.pml,
                   &a.mbps, &a.nh, &a.nkv, &a.bs, &a.D, &a.split_len, &a.max_splits, &a.scale};
-  launch(a.f32kv ? ks.mma_f32 : ks.mma_bf16, dim3(a.nkv, a.num_seqs, a.max_splits), dim3(DA_THREADS),
-         DA_SMEM_BYTES, s, args);
+  if (parts & 1)
+    launch(a.f32kv ? ks.mma_f32 : ks.mma_bf16, dim3(a.nkv, a.num_seqs, a.max_splits), dim3(DA_THREADS),
+           DA_SMEM_BYTES, s, args);
   void* cargs[] = {&a.out, &a.pout, &a.pml, &a.lens, &a.nh, &a.D, &a.split_len, &a.max_splits};
-  launch(ks.combine, dim3(a.nh, a.num_seqs), dim3(DA_COMBINE_THREADS), 0, s, cargs);
+  if (parts & 2) launch(ks.combine, dim3(a.nh, a.num_seqs), dim3(DA_COMBINE_THREADS), 0, s, cargs);
 }
 
 struct RefWs {
@@ -752,7 +759,7 @@ static void emit(const char* impl, const PerfSetup& P, int sl, int ms, const Tim
 }
 
 static void perf_case(const KernelSet& ks, int nseq, int ctx, bool f32kv, bool with_ref,
-                      const std::vector<int>& sweep, uint64_t seed) {
+                      const std::vector<int>& sweep, uint64_t seed, bool diag = false) {
   PerfSetup P = perf_setup(nseq, ctx, f32kv, seed);
   int rule_sl, rule_ms;
   choose_split(nseq, P.nkv, ctx, &rule_sl, &rule_ms);
@@ -770,6 +777,14 @@ static void perf_case(const KernelSet& ks, int nseq, int ctx, bool f32kv, bool w
                        P.R, est);
     std::string impl = std::string("mma-") + ks.name;
     emit(impl.c_str(), P, sl, ms, t, i == 0 ? "rule" : "sweep");
+    if (diag) {  // each kernel alone (the combine kernel re-reads the partials just written)
+      Timing t1 = time_fn(
+          [&](int r, cudaStream_t s) { launch_decode(ks, perf_args(P, r, P.out, pout, pml, sl, ms), s, 1); }, P.R, est);
+      emit("mma-kernel-only", P, sl, ms, t1, "diag");
+      Timing t2 = time_fn(
+          [&](int r, cudaStream_t s) { launch_decode(ks, perf_args(P, r, P.out, pout, pml, sl, ms), s, 2); }, P.R, 5);
+      emit("combine-only", P, sl, ms, t2, "diag");
+    }
     if (i == 0 && with_ref) {
       // correctness of this very configuration against the SIMT f32 reference (input set 0)
       RefWs w;
@@ -840,7 +855,7 @@ int main(int argc, char** argv) {
     else if (a == "--quick") quick = true;
     else if (a == "--no-perf") perf = false;
     else if (a == "--no-sweep") sweep = false;
-    else if (a == "--ctas-per-sm" && i + 1 < argc) g_ctas_per_sm = std::atoi(argv[++i]);
+    else if (a == "--waves" && i + 1 < argc) g_waves = std::atoi(argv[++i]);
     else if (a == "--min-split" && i + 1 < argc) g_min_split = std::atoi(argv[++i]);
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
@@ -856,11 +871,12 @@ int main(int argc, char** argv) {
   std::printf("GPU %s  sm_%d%d  %d SMs  L2 %d MB  smem/block opt-in %zu KB  clock %d MHz  mem clock %d MHz\n",
               prop.name, prop.major, prop.minor, g_nsm, prop.l2CacheSize >> 20, prop.sharedMemPerBlockOptin >> 10,
               clk / 1000, memclk / 1000);
-  std::printf("split rule: %d CTAs per SM targeted, split_len >= %d, multiple of 64\n", g_ctas_per_sm, g_min_split);
   if (tsv) g_tsv = std::fopen(tsv, "w");
 
   std::vector<KernelSet> sets;
   sets.push_back(runtime_set());
+  std::printf("split rule: slots = %d CTAs/SM x %d SMs; small batch: one full wave; large batch: ~%d waves; "
+              "split_len >= %d, multiple of 64\n", g_ctas_per_sm, g_nsm, g_waves, g_min_split);
   KernelSet drv;
   if (ptx) {
     if (driver_set(ptx, &drv)) {
@@ -900,10 +916,11 @@ int main(int argc, char** argv) {
       for (int b : batches) perf_case(sets[0], b, ctx, false, true, {}, rng.next());
     for (int b : batches) perf_case(sets[0], b, 32768, true, true, {}, rng.next());
     if (sweep) {
-      perf_case(sets[0], 1, 32768, false, false, {128, 512, 1024, 2048}, rng.next());
-      perf_case(sets[0], 8, 32768, false, false, {512, 1024, 4096, 8192}, rng.next());
-      perf_case(sets[0], 64, 32768, false, false, {1024, 2048, 4096, 8192, 16384, 32768}, rng.next());
-      perf_case(sets[0], 1, 4096, false, false, {64, 128, 512}, rng.next());
+      perf_case(sets[0], 1, 32768, false, false, {256, 512, 640, 768, 1024, 2048}, rng.next(), true);
+      perf_case(sets[0], 8, 32768, false, false, {2048, 4096, 8192}, rng.next());
+      perf_case(sets[0], 64, 32768, false, false, {4096, 10944, 16384}, rng.next());
+      perf_case(sets[0], 1, 16384, false, false, {256, 512, 1024}, rng.next());
+      perf_case(sets[0], 8, 4096, false, false, {256, 512, 1024}, rng.next());
     }
     if (sets.size() > 1) {  // the NVRTC build (driver JIT of compute_90 PTX) at the goal points
       perf_case(sets[1], 1, 32768, false, false, {}, rng.next());

@@ -44,9 +44,10 @@ for b in (1, 8, 64):
 print()
 print("split_len sweeps (graph us):")
 for f in rows:
-    if f[0].startswith("mma") and f[9] in ("sweep",) or (f[0] == "mma-nvrtc"):
+    if f[9] in ("sweep", "diag") or f[0] == "mma-nvrtc":
         print(f"  {f[0]:10s} kv {f[1]} batch {f[2]:>3s} ctx {f[3]:>6s} split_len {f[4]:>6s} x {f[5]:>4s}: "
               f"{float(f[6]):9.2f} us {float(f[8]):6.0f} GB/s ({f[9]})")
 for f in rows:
-    if f[0] == "mma-nvcc" and f[9] == "rule" and int(f[3]) == 32768 and f[1] == "bf16" and int(f[2]) in (1, 8, 64):
-        print(f"  mma-nvcc   kv bf16 batch {f[2]:>3s} ctx  32768 split_len {f[4]:>6s} x {f[5]:>4s}: {float(f[6]):9.2f} us (rule)")
+    if f[0] == "mma-nvcc" and f[9] == "rule" and f[1] == "bf16":
+        print(f"  mma-nvcc   kv bf16 batch {f[2]:>3s} ctx {f[3]:>6s} split_len {f[4]:>6s} x {f[5]:>4s}: "
+              f"{float(f[6]):9.2f} us (rule)")

@@ -411,6 +411,12 @@ impl CudaBackend {
             .map_err(|e| dev_err("creating a cuBLAS handle", e))?;
         let k = Kernels::load(&ctx, &arch)?;
         let cfg = model.config().clone();
+        if cfg.head_dim > 256 || !cfg.head_dim.is_multiple_of(2) {
+            return Err(Error::Device(format!(
+                "head_dim {} is not supported by the CUDA kernels (even, at most 256)",
+                cfg.head_dim
+            )));
+        }
         let mut layers = Vec::with_capacity(model.layers.len());
         for l in &model.layers {
             layers.push(DevLayer {
@@ -436,12 +442,6 @@ impl CudaBackend {
             k,
             scratch: Scratch::default(),
         };
-        if cfg.head_dim > 256 || cfg.head_dim % 2 != 0 {
-            return Err(Error::Device(format!(
-                "head_dim {} is not supported by the CUDA kernels (even, at most 256)",
-                cfg.head_dim
-            )));
-        }
         Ok(CudaBackend {
             describe: format!("cuda:{ordinal} {name} (sm_{major}{minor})"),
             cfg,
