@@ -18,8 +18,7 @@
 //   mma kernels: grid (num_kv_heads, num_seqs, max_splits), block 128 threads,
 //                dynamic shared memory DA_SMEM_BYTES (65536; raise the function's
 //                MAX_DYNAMIC_SHARED_SIZE_BYTES attribute to it first).
-//   combine:     grid (num_heads, num_seqs), block 256 threads, no dynamic shared memory
-//                (head_dim a multiple of 4).
+//   combine:     grid (num_heads, num_seqs), block 256 threads, no dynamic shared memory.
 //                Always launch it after the mma kernel (it writes out[] for len == 0 and for
 //                sequences that needed more than one split; single-split sequences are written by
 //                the mma kernel directly and the combine kernel leaves them alone).
@@ -452,20 +451,15 @@ decode_attn_mma_f32kv(float* out, const float* q, const float* k_pool, const flo
 }
 
 // Merge the splits: out = sum_s w_s * O_s / sum_s w_s with w_s = 2^(m_s - max m) * l_s.
-// grid (num_heads, num_seqs), block DA_COMBINE_THREADS. The splits are spread over
-// DA_COMBINE_THREADS / (head_dim / 4) thread groups (16 for head_dim 64), each thread reading
-// float4s, so up to DA_COMBINE_THREADS splits cost one round of load latency.
+// grid (num_heads, num_seqs), block DA_COMBINE_THREADS.
 extern "C" __global__ void __launch_bounds__(DA_COMBINE_THREADS)
 decode_attn_combine(float* out, const float* partial_out, const float* partial_ml, const int* context_lens,
                     int num_heads, int head_dim, int split_len, int max_splits) {
   __shared__ float red_m[DA_COMBINE_THREADS / 32];
-  __shared__ float red_w[DA_COMBINE_THREADS / 32];
-  __shared__ float w_s[DA_COMBINE_THREADS];
-  __shared__ float4 acc_s[DA_COMBINE_THREADS];
+  __shared__ float acc_s[DA_COMBINE_THREADS];
+  __shared__ float wsum_s[DA_COMBINE_THREADS];
   const int h = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x;
-  if (h >= num_heads || head_dim <= 0 || (head_dim & 3) != 0 || head_dim > 4 * DA_COMBINE_THREADS ||
-      split_len <= 0)
-    return;
+  if (h >= num_heads || head_dim <= 0 || head_dim > DA_COMBINE_THREADS || split_len <= 0) return;
   const int len = context_lens[seq];
   const size_t sh = (size_t)seq * num_heads + h;
   if (len <= 0) {
@@ -475,9 +469,8 @@ decode_attn_combine(float* out, const float* partial_out, const float* partial_m
   int ns = (len + split_len - 1) / split_len;
   if (ns <= 1) return;  // written by the mma kernel
   if (ns > max_splits) ns = max_splits;
-  const float* __restrict__ ml = partial_ml + sh * max_splits * 2;
-  const int nv = head_dim / 4;  // float4 per split row
-  const float4* __restrict__ po = reinterpret_cast<const float4*>(partial_out + sh * max_splits * head_dim);
+  const float* ml = partial_ml + sh * max_splits * 2;
+  const float* po = partial_out + sh * max_splits * head_dim;
 
   float M = da::neg_inf();
   for (int s = tid; s < ns; s += DA_COMBINE_THREADS) M = fmaxf(M, ml[2 * s]);
@@ -489,54 +482,26 @@ decode_attn_combine(float* out, const float* partial_out, const float* partial_m
 #pragma unroll
   for (int w = 1; w < DA_COMBINE_THREADS / 32; ++w) M = fmaxf(M, red_m[w]);
 
-  const int ngrp = DA_COMBINE_THREADS / nv;
-  const int grp = tid / nv, v = tid % nv;
-  float4 acc;
-  acc.x = acc.y = acc.z = acc.w = 0.f;
-  float W = 0.f;
-  for (int c0 = 0; c0 < ns; c0 += DA_COMBINE_THREADS) {
-    const int cn = min(DA_COMBINE_THREADS, ns - c0);
-    if (tid < cn) {
-      const float wt = da::ex2(ml[2 * (c0 + tid)] - M) * ml[2 * (c0 + tid) + 1];
-      w_s[tid] = wt;
-      W += wt;
+  const int parts = DA_COMBINE_THREADS / head_dim;
+  const int part = tid / head_dim, d = tid % head_dim;
+  float acc = 0.f, wsum = 0.f;
+  if (part < parts) {
+#pragma unroll 4
+    for (int s = part; s < ns; s += parts) {
+      const float wt = da::ex2(ml[2 * s] - M) * ml[2 * s + 1];
+      acc += wt * po[(size_t)s * head_dim + d];
+      wsum += wt;
     }
-    __syncthreads();
-    if (grp < ngrp) {
-#pragma unroll 8
-      for (int s = grp; s < cn; s += ngrp) {
-        const float wt = w_s[s];
-        const float4 p = po[(size_t)(c0 + s) * nv + v];
-        acc.x += wt * p.x;
-        acc.y += wt * p.y;
-        acc.z += wt * p.z;
-        acc.w += wt * p.w;
-      }
-    }
-    __syncthreads();
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) W += __shfl_xor_sync(0xffffffffu, W, o);
-  if ((tid & 31) == 0) red_w[tid >> 5] = W;
   acc_s[tid] = acc;
+  wsum_s[tid] = wsum;
   __syncthreads();
-  if (tid < nv) {
-    float Wt = 0.f;
-#pragma unroll
-    for (int w = 0; w < DA_COMBINE_THREADS / 32; ++w) Wt += red_w[w];
-    float4 a;
-    a.x = a.y = a.z = a.w = 0.f;
-    for (int g = 0; g < ngrp; ++g) {
-      const float4 b = acc_s[g * nv + tid];
-      a.x += b.x;
-      a.y += b.y;
-      a.z += b.z;
-      a.w += b.w;
+  if (tid < head_dim) {
+    float A = 0.f, W = 0.f;
+    for (int p = 0; p < parts; ++p) {
+      A += acc_s[p * head_dim + tid];
+      W += wsum_s[p * head_dim + tid];
     }
-    a.x /= Wt;
-    a.y /= Wt;
-    a.z /= Wt;
-    a.w /= Wt;
-    reinterpret_cast<float4*>(out + sh * head_dim)[tid] = a;
+    out[sh * head_dim + tid] = A / W;
   }
 }

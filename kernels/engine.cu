@@ -109,6 +109,13 @@ extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq,
     }
 }
 
+// out[rows[i]] = in[i], rows of `width` floats (the inverse of embed_gather). grid (n), block 256.
+extern "C" __global__ void scatter_rows(float* out, const float* in, const int* rows, int width) {
+    const float* src = in + (size_t)blockIdx.x * width;
+    float* dst = out + (size_t)rows[blockIdx.x] * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
+}
+
 // gate = silu(gate) * up, element-wise.
 extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;

@@ -2,7 +2,7 @@
 //
 //   nvcc -O3 -arch=sm_90 -std=c++17 -o decode_attn_bench bench/cuda/decode_attn_bench.cu -ldl
 //   ./decode_attn_bench [--ptx decode_attention_mma.compute_90.ptx] [--perf-out perf.tsv]
-//                       [--quick] [--ctas-per-sm N] [--min-split N] [--no-perf] [--no-sweep]
+//                       [--quick] [--waves N] [--min-split N] [--no-perf] [--no-sweep]
 //
 // Sections: device info and a read-only bandwidth ceiling; correctness of the mma kernels (and of
 // the SIMT f32 reference kernel below) against a float64 CPU reference on fresh random inputs;
@@ -68,20 +68,20 @@ struct Rng {  // splitmix64 + Box-Muller; seeded from std::random_device: fresh 
 };
 
 static int g_nsm = 132;
-static int g_ctas_per_sm = 3;   // resident mma CTAs per SM (occupancy API; 3 on an H200 at 64 KB smem)
-static int g_waves = 5;         // split rule, large batch: about this many waves of CTAs
+static int g_ctas_per_sm = 3;   // resident mma CTAs per SM (set from the occupancy API: 3 on an H200)
+static int g_waves = 5;         // split rule, large batch: about this many waves of resident CTAs
 static int g_min_split = 256;   // split rule: never fewer positions per split
 static int g_fails = 0;
 
-// The host-side rule (mirrored in docs/cuda_decode_attention.md). slots = resident CTAs on the
-// GPU. A small batch (fewer (seq, KV head) pairs than slots) is split so that its CTAs fill one
-// wave exactly: every CTA is resident from the start, and no second, partial wave. A large
-// batch is split into about g_waves waves, so the partial last wave costs little. Splits are a
-// multiple of 64 positions (16 per warp) and at least g_min_split.
+// The host-side rule (mirrored in docs/cuda_decode_attention.md), set from the split_len sweeps
+// of the first H200 run (bench/cuda/results/run1_*): a small batch does best with about two
+// long CTAs per SM (not one full wave of short ones: the per-CTA start-up and the combine kernel
+// cost more than the extra warps gain), a large batch with about five waves of resident CTAs.
+// Splits are a multiple of 64 positions (16 per warp) and at least g_min_split.
 static void choose_split(int num_seqs, int num_kv_heads, int max_len, int* split_len, int* max_splits) {
   const long long slots = (long long)g_ctas_per_sm * g_nsm;
   const long long base = (long long)num_seqs * num_kv_heads;
-  long long splits = base >= slots ? (g_waves * slots + base - 1) / base : slots / base;
+  long long splits = base >= slots ? (g_waves * slots + base - 1) / base : (2LL * g_nsm) / base;
   if (splits < 1) splits = 1;
   long long sl = (max_len + splits - 1) / splits;
   sl = (sl + 63) / 64 * 64;
@@ -386,15 +386,13 @@ struct DecodeArgs {
   bool f32kv;
 };
 
-// parts: 1 = the mma kernel, 2 = the combine kernel, 3 = both (the real thing)
-static void launch_decode(const KernelSet& ks, DecodeArgs a, cudaStream_t s, int parts = 3) {
+static void launch_decode(const KernelSet& ks, DecodeArgs a, cudaStream_t s) {
   void* args[] = {&a.out, &a.q, &a.k, &a.v, &a.bt, &a.lens, &a.pout, &a.pml,
                   &a.mbps, &a.nh, &a.nkv, &a.bs, &a.D, &a.split_len, &a.max_splits, &a.scale};
-  if (parts & 1)
-    launch(a.f32kv ? ks.mma_f32 : ks.mma_bf16, dim3(a.nkv, a.num_seqs, a.max_splits), dim3(DA_THREADS),
-           DA_SMEM_BYTES, s, args);
+  launch(a.f32kv ? ks.mma_f32 : ks.mma_bf16, dim3(a.nkv, a.num_seqs, a.max_splits), dim3(DA_THREADS),
+         DA_SMEM_BYTES, s, args);
   void* cargs[] = {&a.out, &a.pout, &a.pml, &a.lens, &a.nh, &a.D, &a.split_len, &a.max_splits};
-  if (parts & 2) launch(ks.combine, dim3(a.nh, a.num_seqs), dim3(DA_COMBINE_THREADS), 0, s, cargs);
+  launch(ks.combine, dim3(a.nh, a.num_seqs), dim3(DA_COMBINE_THREADS), 0, s, cargs);
 }
 
 struct RefWs {
@@ -759,7 +757,7 @@ static void emit(const char* impl, const PerfSetup& P, int sl, int ms, const Tim
 }
 
 static void perf_case(const KernelSet& ks, int nseq, int ctx, bool f32kv, bool with_ref,
-                      const std::vector<int>& sweep, uint64_t seed, bool diag = false) {
+                      const std::vector<int>& sweep, uint64_t seed) {
   PerfSetup P = perf_setup(nseq, ctx, f32kv, seed);
   int rule_sl, rule_ms;
   choose_split(nseq, P.nkv, ctx, &rule_sl, &rule_ms);
@@ -777,14 +775,6 @@ static void perf_case(const KernelSet& ks, int nseq, int ctx, bool f32kv, bool w
                        P.R, est);
     std::string impl = std::string("mma-") + ks.name;
     emit(impl.c_str(), P, sl, ms, t, i == 0 ? "rule" : "sweep");
-    if (diag) {  // each kernel alone (the combine kernel re-reads the partials just written)
-      Timing t1 = time_fn(
-          [&](int r, cudaStream_t s) { launch_decode(ks, perf_args(P, r, P.out, pout, pml, sl, ms), s, 1); }, P.R, est);
-      emit("mma-kernel-only", P, sl, ms, t1, "diag");
-      Timing t2 = time_fn(
-          [&](int r, cudaStream_t s) { launch_decode(ks, perf_args(P, r, P.out, pout, pml, sl, ms), s, 2); }, P.R, 5);
-      emit("combine-only", P, sl, ms, t2, "diag");
-    }
     if (i == 0 && with_ref) {
       // correctness of this very configuration against the SIMT f32 reference (input set 0)
       RefWs w;
@@ -875,7 +865,7 @@ int main(int argc, char** argv) {
 
   std::vector<KernelSet> sets;
   sets.push_back(runtime_set());
-  std::printf("split rule: slots = %d CTAs/SM x %d SMs; small batch: one full wave; large batch: ~%d waves; "
+  std::printf("split rule: small batch ~2 CTAs per SM; large batch (>= %d x %d resident CTAs) ~%d waves; "
               "split_len >= %d, multiple of 64\n", g_ctas_per_sm, g_nsm, g_waves, g_min_split);
   KernelSet drv;
   if (ptx) {
@@ -915,12 +905,11 @@ int main(int argc, char** argv) {
     for (int ctx : ctxs)
       for (int b : batches) perf_case(sets[0], b, ctx, false, true, {}, rng.next());
     for (int b : batches) perf_case(sets[0], b, 32768, true, true, {}, rng.next());
-    if (sweep) {
-      perf_case(sets[0], 1, 32768, false, false, {256, 512, 640, 768, 1024, 2048}, rng.next(), true);
-      perf_case(sets[0], 8, 32768, false, false, {2048, 4096, 8192}, rng.next());
+    if (sweep) {  // around the rule's choice at the goal points
+      perf_case(sets[0], 1, 32768, false, false, {512, 704, 2048, 4096}, rng.next());
+      perf_case(sets[0], 8, 32768, false, false, {2048, 4096, 16384}, rng.next());
       perf_case(sets[0], 64, 32768, false, false, {4096, 10944, 16384}, rng.next());
-      perf_case(sets[0], 1, 16384, false, false, {256, 512, 1024}, rng.next());
-      perf_case(sets[0], 8, 4096, false, false, {256, 512, 1024}, rng.next());
+      perf_case(sets[0], 1, 4096, false, false, {128, 512}, rng.next());
     }
     if (sets.size() > 1) {  // the NVRTC build (driver JIT of compute_90 PTX) at the goal points
       perf_case(sets[1], 1, 32768, false, false, {}, rng.next());

@@ -18,8 +18,6 @@ nvcc --version | tail -2
 # Build in the background while SDPA runs on the GPU (the builds use only the CPU).
 ( nvcc -O3 -arch=sm_90 -std=c++17 -lineinfo -Xptxas -v -o "$BUILD/decode_attn_bench" \
     "$HERE/decode_attn_bench.cu" -ldl > "$BUILD/build.log" 2>&1; echo $? > "$BUILD/build.rc" ) &
-( nvcc -O3 -arch=sm_90 -std=c++17 -DDA_SMEM_BYTES=98304 -o "$BUILD/decode_attn_bench_smem96k" \
-    "$HERE/decode_attn_bench.cu" -ldl > "$BUILD/build_b.log" 2>&1; echo $? > "$BUILD/build_b.rc" ) &
 ( nvcc -O2 -o "$BUILD/nvrtc_check" "$HERE/nvrtc_check.cpp" -lnvrtc > "$BUILD/nvrtc_build.log" 2>&1;
   echo $? > "$BUILD/nvrtc_build.rc" ) &
 
@@ -36,24 +34,22 @@ echo "== build"
 grep -E "error|warning" "$BUILD/build.log" | head -20
 grep -A2 -E "Compiling entry function '(decode_attn|_Z15ref)" "$BUILD/build.log" | grep -E "Compiling|registers|spill" | sed 's/ptxas info    : //'
 echo "harness build rc $(cat "$BUILD/build.rc"), nvrtc_check build rc $(cat "$BUILD/nvrtc_build.rc")"
+cp "$BUILD/build.log" "$LOGS/build.log"
 [ "$(cat "$BUILD/build.rc")" = 0 ] || { cat "$BUILD/build.log" | head -60; exit 1; }
 
 echo "== NVRTC compile check (compute_90, compute_120)"
-{
-  "$BUILD/nvrtc_check" "$ROOT/kernels/decode_attention_mma.cu" "$BUILD" compute_90 compute_120
-  for a in 90 120; do
-    [ -f "$BUILD/decode_attention_mma.compute_$a.ptx" ] && ptxas -arch=sm_$a -v \
-      "$BUILD/decode_attention_mma.compute_$a.ptx" -o "$BUILD/da_sm$a.cubin" 2>&1 |
-      grep -E "Compiling|registers|spill|error" | sed 's/ptxas info    : //'
-  done
-  if command -v cuobjdump > /dev/null; then
-    S=$(cuobjdump -sass -fun decode_attn_mma_bf16kv "$BUILD/decode_attn_bench" 2>/dev/null)
-    echo "SASS decode_attn_mma_bf16kv (nvcc sm_90): $(grep -c HMMA <<< "$S") HMMA, $(grep -c LDSM <<< "$S") LDSM," \
-      "$(grep -c LDGSTS <<< "$S") LDGSTS, $(grep -cE 'LDL|STL' <<< "$S") LDL/STL, $(grep -c MUFU.EX2 <<< "$S") MUFU.EX2"
-  fi
-  grep -A3 -E "Compiling entry function 'decode_attn" "$BUILD/build.log" | grep -E "Compiling|registers|spill" |
-    sed 's/ptxas info    : //'
-} 2>&1 | tee "$LOGS/nvrtc.log"
+"$BUILD/nvrtc_check" "$ROOT/kernels/decode_attention_mma.cu" "$BUILD" compute_90 compute_120 2>&1 | tee "$LOGS/nvrtc.log"
+for a in 90 120; do
+  [ -f "$BUILD/decode_attention_mma.compute_$a.ptx" ] && ptxas -arch=sm_$a -v "$BUILD/decode_attention_mma.compute_$a.ptx" \
+    -o "$BUILD/da_sm$a.cubin" 2>&1 | grep -E "Compiling|registers|spill|error" | sed 's/ptxas info    : //'
+done
+if command -v cuobjdump > /dev/null; then
+  echo "SASS of decode_attn_mma_bf16kv (nvcc build):" \
+    "$(cuobjdump -sass -fun decode_attn_mma_bf16kv "$BUILD/decode_attn_bench" 2>/dev/null | grep -cE 'HMMA') HMMA," \
+    "$(cuobjdump -sass -fun decode_attn_mma_bf16kv "$BUILD/decode_attn_bench" 2>/dev/null | grep -cE 'LDSM') LDSM," \
+    "$(cuobjdump -sass -fun decode_attn_mma_bf16kv "$BUILD/decode_attn_bench" 2>/dev/null | grep -cE 'LDGSTS') LDGSTS," \
+    "$(cuobjdump -sass -fun decode_attn_mma_bf16kv "$BUILD/decode_attn_bench" 2>/dev/null | grep -cE 'LDL|STL') LDL/STL"
+fi
 
 echo "== decode_attn_bench"
 PTXARG=()
@@ -61,21 +57,7 @@ PTXARG=()
 timeout ${BENCH_TIMEOUT:-300} "$BUILD/decode_attn_bench" "${PTXARG[@]}" --perf-out "$LOGS/perf.tsv" "$@" 2>&1 | tee "$LOGS/bench.log"
 RC=${PIPESTATUS[0]}
 
-RC_B=skipped
-if [ "${SKIP_VARIANT:-0}" = 0 ] && [ "$(cat "$BUILD/build_b.rc" 2>/dev/null)" = 0 ]; then
-  echo "== experiment: DA_SMEM_BYTES=98304 (2 CTAs/SM, deeper per-warp rings), not the shipped default"
-  timeout ${BENCH_TIMEOUT:-300} "$BUILD/decode_attn_bench_smem96k" --quick --no-sweep --perf-out "$LOGS/perf_b.tsv" \
-    > "$LOGS/bench_b.log" 2>&1
-  RC_B=$?
-  grep -E "FAIL|failures|occupancy|split rule" "$LOGS/bench_b.log"
-fi
-
 echo "== table"
-{
-  python3 "$HERE/report.py" "$LOGS/perf.tsv" "$LOGS/sdpa.tsv"
-  if [ -f "$LOGS/perf_b.tsv" ]; then
-    echo; echo "### experiment DA_SMEM_BYTES=98304"; python3 "$HERE/report.py" "$LOGS/perf_b.tsv" "$LOGS/sdpa.tsv"
-  fi
-} | tee "$LOGS/table.md"
-echo "decode_attn_bench rc $RC, variant rc $RC_B"
+python3 "$HERE/report.py" "$LOGS/perf.tsv" "$LOGS/sdpa.tsv" | tee "$LOGS/table.md"
+echo "decode_attn_bench rc $RC"
 exit $RC

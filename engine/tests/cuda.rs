@@ -357,3 +357,56 @@ fn cuda_scheduler_invariance_chunks_prefix_cache_and_batching() {
         "the prefix cache was never hit"
     );
 }
+
+#[test]
+fn cuda_mma_bf16_decode_kernel_on_head_dim_64_and_128() {
+    // The fixtures have head_dim 32, which the tensor-core kernel does not take (it falls back to
+    // the SIMT kernel with bf16 roundings). Build two small models whose heads the mma kernel does
+    // take, GQA 8/2 and 4/1, and check its decode steps against the CPU's emulation of the same
+    // roundings, and that it moves the logits like the emulation does.
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (hd, heads, kv) in [(64usize, 8usize, 2usize), (128, 4, 1)] {
+        let mut spec = tapedeck_engine::fixture::FixtureSpec::tiny_llama();
+        spec.name = format!("mma-hd{hd}");
+        spec.hidden_size = 256;
+        spec.num_heads = heads;
+        spec.num_kv_heads = kv;
+        spec.head_dim = Some(hd);
+        spec.num_layers = 2;
+        let path = dir.path().join(&spec.name);
+        tapedeck_engine::fixture::build(&spec, &path).unwrap();
+        let load = |device| {
+            Engine::load_with(
+                &path,
+                &EngineOptions {
+                    threads: None,
+                    device,
+                },
+            )
+            .unwrap()
+        };
+        let (cpu, gpu) = (load(Device::Cpu), load(Device::Cuda(0)));
+        let mut r = rng();
+        // Long enough for several splits; decode steps cross block boundaries.
+        let p = tokens(&cpu, r.random_range(600..1500), &mut r);
+        let d = tokens(&cpu, 20, &mut r);
+        let t: Toggles = "attn_decode=mma-bf16".parse().unwrap();
+        let f32_cpu = run(&cpu, &p, &d, p.len(), &Toggles::default());
+        let want = run(&cpu, &p, &d, p.len(), &t);
+        let got = run(&gpu, &p, &d, p.len(), &t);
+        let err = worst(&got, &want);
+        let moved_cpu = worst(&want, &f32_cpu);
+        let moved_gpu = worst(&got, &f32_cpu);
+        println!(
+            "head_dim {hd} ({heads}/{kv} heads), {} tokens: mma vs CPU emulation {err:.2e}; \
+             change from f32: cpu {moved_cpu:.2e}, cuda {moved_gpu:.2e}",
+            p.len()
+        );
+        assert!(err <= 2e-2, "head_dim {hd}: {err:e}");
+        assert!(moved_gpu > 0.0, "the mma kernel changed nothing");
+    }
+}

@@ -34,6 +34,7 @@ pub const ENGINE: KernelSource = KernelSource {
         "rms_norm",
         "rope",
         "silu_mul",
+        "scatter_rows",
         "add_inplace",
         "add_bias",
         "f32_to_bf16",
@@ -44,8 +45,24 @@ pub const ENGINE: KernelSource = KernelSource {
     ],
 };
 
+/// The bf16 tensor-core decode attention (`attn_decode=mma-bf16`): `mma.sync` m16n8k16 over a
+/// paged KV cache, split-K over the context, and the kernel that merges the splits. See
+/// `docs/cuda_decode_attention.md`.
+pub const DECODE_MMA: KernelSource = KernelSource {
+    name: "decode_attention_mma.cu",
+    code: include_str!("../../../kernels/decode_attention_mma.cu"),
+    entry_points: &[
+        "decode_attn_mma_bf16kv",
+        "decode_attn_mma_f32kv",
+        "decode_attn_combine",
+    ],
+};
+
+/// Dynamic shared memory of the mma decode kernel (its `DA_SMEM_BYTES`), within sm_120's 99 KB.
+pub const DECODE_MMA_SMEM: usize = 65536;
+
 /// Every kernel source shipped (what the portability test compiles for each architecture).
-pub const ALL: &[KernelSource] = &[ENGINE];
+pub const ALL: &[KernelSource] = &[ENGINE, DECODE_MMA];
 
 /// The virtual architecture for a compute capability, e.g. `(9, 0)` → `compute_90`.
 pub fn virtual_arch(major: i32, minor: i32) -> String {

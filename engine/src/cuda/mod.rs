@@ -227,6 +227,7 @@ struct Kernels {
     rms_norm: CudaFunction,
     rope: CudaFunction,
     silu_mul: CudaFunction,
+    scatter_rows: CudaFunction,
     add_inplace: CudaFunction,
     add_bias: CudaFunction,
     f32_to_bf16: CudaFunction,
@@ -234,6 +235,8 @@ struct Kernels {
     attention: CudaFunction,
     attention_scores: CudaFunction,
     topk_mask: CudaFunction,
+    decode_mma: CudaFunction,
+    decode_combine: CudaFunction,
 }
 
 impl Kernels {
@@ -247,11 +250,35 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| dev_err(&format!("kernel {name}"), e))
         };
+        let mma = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(kernels::ptx(
+                &kernels::DECODE_MMA,
+                arch,
+            )?))
+            .map_err(|e| dev_err("loading kernels/decode_attention_mma.cu", e))?;
+        let decode_mma = mma
+            .load_function("decode_attn_mma_f32kv")
+            .map_err(|e| dev_err("kernel decode_attn_mma_f32kv", e))?;
+        // SAFETY: a valid function handle; the value is within the device's opt-in limit.
+        unsafe {
+            cudarc::driver::sys::cuFuncSetAttribute(
+                decode_mma.cu_function(),
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                kernels::DECODE_MMA_SMEM as i32,
+            )
+        }
+        .result()
+        .map_err(|e| dev_err("raising the mma kernel's shared-memory limit", e))?;
         Ok(Kernels {
+            decode_mma,
+            decode_combine: mma
+                .load_function("decode_attn_combine")
+                .map_err(|e| dev_err("kernel decode_attn_combine", e))?,
             embed_gather: f("embed_gather")?,
             rms_norm: f("rms_norm")?,
             rope: f("rope")?,
             silu_mul: f("silu_mul")?,
+            scatter_rows: f("scatter_rows")?,
             add_inplace: f("add_inplace")?,
             add_bias: f("add_bias")?,
             f32_to_bf16: f("f32_to_bf16")?,
@@ -298,11 +325,22 @@ impl Args {
     }
 
     fn launch(
-        mut self,
+        self,
         stream: &CudaStream,
         func: &CudaFunction,
         grid: (usize, usize),
         block: usize,
+    ) -> Result<()> {
+        self.launch_3d(stream, func, (grid.0, grid.1, 1), block, 0)
+    }
+
+    fn launch_3d(
+        mut self,
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (usize, usize, usize),
+        block: usize,
+        shared_bytes: usize,
     ) -> Result<()> {
         let mut params: Vec<*mut c_void> = self.slots[..self.n]
             .iter_mut()
@@ -313,9 +351,9 @@ impl Args {
         unsafe {
             dr::launch_kernel(
                 func.cu_function(),
-                (grid.0 as u32, grid.1 as u32, 1),
+                (grid.0 as u32, grid.1 as u32, grid.2 as u32),
                 (block as u32, 1, 1),
-                0,
+                shared_bytes as u32,
                 stream.cu_stream(),
                 &mut params,
             )
@@ -332,6 +370,12 @@ struct Scratch {
     meta: Option<DevBuf>,
     scores: Option<DevBuf>,
     logits: Option<DevBuf>,
+    /// Decode rows' queries and outputs for the mma kernel, (rows, heads, head_dim).
+    q_dec: Option<DevBuf>,
+    o_dec: Option<DevBuf>,
+    /// Split-K workspace: outputs (rows, heads, splits, head_dim) and (max, sum) pairs.
+    partial_out: Option<DevBuf>,
+    partial_ml: Option<DevBuf>,
 }
 
 struct ScratchBufs {
@@ -376,6 +420,8 @@ struct Inner {
     layers: Vec<DevLayer>,
     inv_freq: DevBuf,
     scratch: Scratch,
+    /// Multiprocessors (for the split-K rule).
+    sms: usize,
 }
 
 /// The engine on one NVIDIA GPU.
@@ -441,6 +487,11 @@ impl CudaBackend {
             blas,
             k,
             scratch: Scratch::default(),
+            sms: ctx
+                .attribute(
+                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                )
+                .map_err(|e| dev_err("multiprocessor count", e))? as usize,
         };
         Ok(CudaBackend {
             describe: format!("cuda:{ordinal} {name} (sm_{major}{minor})"),
@@ -469,6 +520,9 @@ struct Meta {
     /// Decode tokens (for the sparse top-k path and the bf16 decode kernel).
     decode_rows: usize,
     n_decode_rows: usize,
+    /// Per decode row: its block table (`max_blocks` each) and context length.
+    decode_tables: usize,
+    decode_ctx: usize,
 }
 
 fn build_meta(
@@ -539,6 +593,15 @@ fn build_meta(
         );
     }
     let n_decode_rows = data.len() - decode_rows;
+    let decode_tables = data.len();
+    let dec: Vec<usize> = data[decode_rows..].iter().map(|&t| t as usize).collect();
+    for &t in &dec {
+        let s = &segs[where_[t].0];
+        data.extend(s.table.blocks.iter().map(|&b| b as i32));
+        data.extend(std::iter::repeat_n(0, max_blocks - s.table.blocks.len()));
+    }
+    let decode_ctx = data.len();
+    data.extend(dec.iter().map(|&t| where_[t].1 as i32 + 1));
     Meta {
         data,
         ids,
@@ -553,7 +616,20 @@ fn build_meta(
         n_logit_rows,
         decode_rows,
         n_decode_rows,
+        decode_tables,
+        decode_ctx,
     }
+}
+
+/// The split-K rule of the mma decode kernel (docs/cuda_decode_attention.md): enough blocks to
+/// fill the GPU (8 per multiprocessor) for `rows` sequences of at most `max_len` positions.
+/// Returns `(split_len, max_splits)`.
+fn split_rule(rows: usize, kv_heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
+    let base = (rows * kv_heads).max(1);
+    let want = (8 * sms).div_ceil(base).max(1);
+    let split_len = max_len.div_ceil(want).div_ceil(64) * 64;
+    let split_len = split_len.max(256);
+    (split_len, max_len.div_ceil(split_len).max(1))
 }
 
 impl Inner {
@@ -728,6 +804,24 @@ impl Backend for CudaBackend {
             )?,
             _ => 0,
         };
+        // The mma decode kernel's shapes, split rule and buffers.
+        let mma_shape_ok = matches!(hd, 64 | 128) && nh / nkv <= 16 && bs.is_multiple_of(16);
+        let (mut q_dec, mut o_dec, mut partial_out, mut partial_ml) = (0, 0, 0, 0);
+        let (mut split_len, mut max_splits) = (0, 0);
+        if decode_mma && topk.is_none() && mma_shape_ok && meta.n_decode_rows > 0 {
+            let nr = meta.n_decode_rows;
+            let max_len = meta.data[meta.decode_ctx..meta.decode_ctx + nr]
+                .iter()
+                .map(|&c| c as usize)
+                .max()
+                .unwrap_or(1);
+            (split_len, max_splits) = split_rule(nr, nkv, max_len, inner.sms);
+            let sc = &mut inner.scratch;
+            q_dec = ensure(&mut sc.q_dec, &self.ctx, nr * q_dim * 4)?;
+            o_dec = ensure(&mut sc.o_dec, &self.ctx, nr * q_dim * 4)?;
+            partial_out = ensure(&mut sc.partial_out, &self.ctx, nr * nh * max_splits * hd * 4)?;
+            partial_ml = ensure(&mut sc.partial_ml, &self.ctx, nr * nh * max_splits * 2 * 4)?;
+        }
         let Some(b) = inner.scratch.bufs.as_ref() else {
             return Err(Error::Device("scratch buffers missing".into()));
         };
@@ -833,7 +927,58 @@ impl Backend for CudaBackend {
                     .i(top_k)
                     .launch(s, &kn.topk_mask, (nr, nh), 256)?;
                 attention(rows, nr, scores_ptr, scores_stride, decode_bf16)?;
+            } else if decode_mma && nr > 0 && mma_shape_ok {
+                // The bf16 tensor-core kernel on the decode rows: gather their queries, attend,
+                // merge the splits, scatter the outputs back.
+                Args::new()
+                    .p(q_dec)
+                    .p(q)
+                    .p(rows)
+                    .i(q_dim)
+                    .launch(s, &kn.embed_gather, (nr, 1), 256)?;
+                Args::new()
+                    .p(o_dec)
+                    .p(q_dec)
+                    .p(kp)
+                    .p(vp)
+                    .p(mi(meta.decode_tables))
+                    .p(mi(meta.decode_ctx))
+                    .p(partial_out)
+                    .p(partial_ml)
+                    .i(meta.max_blocks)
+                    .i(nh)
+                    .i(nkv)
+                    .i(bs)
+                    .i(hd)
+                    .i(split_len)
+                    .i(max_splits)
+                    .f(scale)
+                    .launch_3d(
+                        s,
+                        &kn.decode_mma,
+                        (nkv, nr, max_splits),
+                        128,
+                        kernels::DECODE_MMA_SMEM,
+                    )?;
+                Args::new()
+                    .p(o_dec)
+                    .p(partial_out)
+                    .p(partial_ml)
+                    .p(mi(meta.decode_ctx))
+                    .i(nh)
+                    .i(hd)
+                    .i(split_len)
+                    .i(max_splits)
+                    .launch(s, &kn.decode_combine, (nh, nr), 256)?;
+                Args::new()
+                    .p(att)
+                    .p(o_dec)
+                    .p(rows)
+                    .i(q_dim)
+                    .launch(s, &kn.scatter_rows, (nr, 1), 256)?;
             } else if decode_mma && nr > 0 {
+                // Shapes the tensor-core kernel does not take (head_dim other than 64 or 128,
+                // more than 16 query heads per KV head): the SIMT kernel with its roundings.
                 attention(rows, nr, 0, 0, 1)?;
             }
             let ain = inner.gemm_input(att, n * q_dim, xb, pm)?;
