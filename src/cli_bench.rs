@@ -13,6 +13,7 @@ use rand::{Rng, SeedableRng};
 use tapedeck_engine::engine::EngineOptions;
 use tapedeck_engine::fixture::{self, FixtureSpec};
 use tapedeck_engine::scheduler::{EngineHandle, Event, SchedulerConfig};
+use tapedeck_engine::toggles::Precision;
 use tapedeck_engine::{Engine, GenerateRequest, SamplingParams, StopCriteria, Toggles};
 
 use crate::embedded;
@@ -50,16 +51,19 @@ pub struct BenchArgs {
     pub toggles: Vec<String>,
 }
 
+/// A model directory: an embedded fixture, a directory, or a generated benchmark model
+/// (`llama-120m`, `llama-1b`), built into the cache on first use.
 fn model_dir(spec: &str) -> Result<PathBuf> {
-    if spec == "llama-120m" {
-        let dir = embedded::cache_root().join("bench").join("llama-120m");
+    let generated = ["llama-120m", "llama-1b"];
+    if let (true, Some(fs)) = (generated.contains(&spec), FixtureSpec::by_name(spec)) {
+        let dir = embedded::cache_root().join("bench").join(spec);
         if !dir.join("config.json").exists() {
             eprintln!(
-                "generating the llama-120m benchmark model into {} ...",
+                "generating the {spec} benchmark model into {} ...",
                 dir.display()
             );
-            fixture::build(&FixtureSpec::llama_120m(), &dir)
-                .with_context(|| format!("building llama-120m into {}", dir.display()))?;
+            fixture::build(&fs, &dir)
+                .with_context(|| format!("building {spec} into {}", dir.display()))?;
         }
         return Ok(dir);
     }
@@ -143,13 +147,38 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 - out.timings.first_token.unwrap_or_default().as_secs_f64();
             decode.push((out.tokens.len() - 1) as f64 / d.max(1e-9));
         }
+        let decode_rate = median(decode);
         println!(
             "single sequence: prefill {:.0} tokens/s ({} tokens), decode {:.1} tokens/s ({} tokens), peak RSS {:.0} MiB",
             median(prefill),
             args.prompt_len,
-            median(decode),
+            decode_rate,
             args.gen,
             peak_rss_mib().unwrap_or(f64::NAN)
+        );
+        // Batch-1 decode reads every weight once per token: the roofline is weight bytes over
+        // memory bandwidth. Weights are read as bf16 under matmul=bf16, as f32 otherwise.
+        // (An untied embedding matrix is only gathered from, one row per token.)
+        let untied_embedding = if cfg.tie_word_embeddings {
+            0
+        } else {
+            cfg.vocab_size * cfg.hidden_size
+        };
+        let weight_bytes = (cfg.num_params() - untied_embedding)
+            * if toggles.matmul == Precision::Bf16 {
+                2
+            } else {
+                4
+            };
+        println!(
+            "decode weight traffic: {:.2} GB per token ({}), {:.0} GB/s effective at batch 1",
+            weight_bytes as f64 / 1e9,
+            if toggles.matmul == Precision::Bf16 {
+                "bf16"
+            } else {
+                "f32"
+            },
+            weight_bytes as f64 * decode_rate / 1e9
         );
         let handle = EngineHandle::start(
             engine.clone(),

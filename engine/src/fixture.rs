@@ -125,6 +125,10 @@ pub struct FixtureSpec {
     /// Full vocabulary: trained BPE tokens plus the added special tokens. The BPE is trained to
     /// `vocab_size - added tokens` entries; building fails if the corpus cannot supply that many.
     pub vocab_size: usize,
+    /// Rows of the embedding and output matrices when larger than the tokenizer's vocabulary
+    /// (padded vocabularies, as Qwen2 and many checkpoints have; IDs past the tokenizer's decode
+    /// to nothing). `None`: `vocab_size`.
+    pub model_vocab_size: Option<usize>,
     /// Width of the residual stream.
     pub hidden_size: usize,
     /// Width of the MLP.
@@ -210,6 +214,7 @@ impl FixtureSpec {
             name: "tiny-llama".into(),
             arch: Arch::Llama,
             vocab_size: 2048,
+            model_vocab_size: None,
             hidden_size: 128,
             intermediate_size: 384,
             num_layers: 4,
@@ -241,6 +246,7 @@ impl FixtureSpec {
             name: "tiny-qwen2".into(),
             arch: Arch::Qwen2,
             vocab_size: 2048,
+            model_vocab_size: None,
             hidden_size: 128,
             intermediate_size: 352,
             num_layers: 4,
@@ -268,6 +274,7 @@ impl FixtureSpec {
             name: "llama-120m".into(),
             arch: Arch::Llama,
             vocab_size: 8192,
+            model_vocab_size: None,
             hidden_size: 768,
             intermediate_size: 3072,
             num_layers: 12,
@@ -291,13 +298,54 @@ impl FixtureSpec {
         }
     }
 
-    /// The specs by name (`tiny_llama`, `tiny_qwen2`, `llama_120m`; `-` works for `_`), for
-    /// command lines.
+    /// A Llama-3.2-1B-shaped random model for GPU benchmarks, generated on demand and never
+    /// committed: hidden 2048, 16 layers, 32 query / 8 KV heads of 64, MLP 8192, tied embeddings,
+    /// bf16, rope_theta 500000 with llama3 scaling (factor 32 over 8192), a 128256-row vocabulary
+    /// (the tokenizer is an 8192-token BPE; the rest is padding), 1.24B parameters, 2.47 GB.
+    pub fn llama_1b() -> Self {
+        FixtureSpec {
+            name: "llama-1b".into(),
+            arch: Arch::Llama,
+            vocab_size: 8192,
+            model_vocab_size: Some(128_256),
+            hidden_size: 2048,
+            intermediate_size: 8192,
+            num_layers: 16,
+            num_heads: 32,
+            num_kv_heads: 8,
+            head_dim: Some(64),
+            max_position_embeddings: 131_072,
+            rope_theta: 500_000.0,
+            rope_scaling: Some(Llama3RopeScaling {
+                factor: 32.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            }),
+            rope_form: RopeForm::Classic,
+            tie_word_embeddings: true,
+            rms_norm_eps: 1e-5,
+            dtype: Dtype::BF16,
+            seed: 0x7a9e_dec0_11a3_a1b0,
+            corpus_bytes: 3_000_000,
+        }
+    }
+
+    /// Rows of the embedding and output matrices.
+    pub fn model_vocab(&self) -> usize {
+        self.model_vocab_size
+            .unwrap_or(self.vocab_size)
+            .max(self.vocab_size)
+    }
+
+    /// The specs by name (`tiny_llama`, `tiny_qwen2`, `llama_120m`, `llama_1b`; `-` works for
+    /// `_`), for command lines.
     pub fn by_name(name: &str) -> Option<Self> {
         match name.replace('-', "_").as_str() {
             "tiny_llama" => Some(Self::tiny_llama()),
             "tiny_qwen2" => Some(Self::tiny_qwen2()),
             "llama_120m" => Some(Self::llama_120m()),
+            "llama_1b" => Some(Self::llama_1b()),
             _ => None,
         }
     }
@@ -410,7 +458,7 @@ impl FixtureSpec {
         let inv = |n: usize| 1.0 / (n as f64).sqrt();
         let mut t = vec![TensorSpec::normal(
             "model.embed_tokens.weight",
-            vec![self.vocab_size, h],
+            vec![self.model_vocab(), h],
             // Tied: the same rows make the logits, so keep them small enough that the current
             // token's own logit does not dominate (see the module doc); untied: unit scale.
             if self.tie_word_embeddings { 0.4 } else { 1.0 },
@@ -473,7 +521,7 @@ impl FixtureSpec {
             // Logit standard deviation about 4: peaky, not one-hot, over a few thousand tokens.
             t.push(TensorSpec::normal(
                 "lm_head.weight",
-                vec![self.vocab_size, h],
+                vec![self.model_vocab(), h],
                 4.0 * inv(h),
             ));
         }
@@ -799,7 +847,7 @@ fn config_json(spec: &FixtureSpec) -> Value {
     if spec.arch == Arch::Qwen2 {
         put("use_sliding_window", json!(false));
     }
-    put("vocab_size", json!(spec.vocab_size));
+    put("vocab_size", json!(spec.model_vocab()));
     Value::Object(c)
 }
 

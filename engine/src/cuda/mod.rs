@@ -621,14 +621,19 @@ fn build_meta(
     }
 }
 
-/// The split-K rule of the mma decode kernel (docs/cuda_decode_attention.md): enough blocks to
-/// fill the GPU (8 per multiprocessor) for `rows` sequences of at most `max_len` positions.
-/// Returns `(split_len, max_splits)`.
+/// The split-K rule of the mma decode kernel (docs/cuda_decode_attention.md, measured on the
+/// H200): with fewer (KV head, sequence) pairs than resident blocks, about two blocks per
+/// multiprocessor of long splits; with more, a few splits each. Returns `(split_len, max_splits)`.
 fn split_rule(rows: usize, kv_heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
+    // Resident blocks of the kernel (3 per SM at 64 KiB of shared memory and 128 threads).
+    let slots = 3 * sms;
     let base = (rows * kv_heads).max(1);
-    let want = (8 * sms).div_ceil(base).max(1);
-    let split_len = max_len.div_ceil(want).div_ceil(64) * 64;
-    let split_len = split_len.max(256);
+    let splits = if base >= slots {
+        (5 * slots).div_ceil(base)
+    } else {
+        (2 * sms / base).max(1)
+    };
+    let split_len = (max_len.div_ceil(splits).div_ceil(64) * 64).max(256);
     (split_len, max_len.div_ceil(split_len).max(1))
 }
 
@@ -819,7 +824,11 @@ impl Backend for CudaBackend {
             let sc = &mut inner.scratch;
             q_dec = ensure(&mut sc.q_dec, &self.ctx, nr * q_dim * 4)?;
             o_dec = ensure(&mut sc.o_dec, &self.ctx, nr * q_dim * 4)?;
-            partial_out = ensure(&mut sc.partial_out, &self.ctx, nr * nh * max_splits * hd * 4)?;
+            partial_out = ensure(
+                &mut sc.partial_out,
+                &self.ctx,
+                nr * nh * max_splits * hd * 4,
+            )?;
             partial_ml = ensure(&mut sc.partial_ml, &self.ctx, nr * nh * max_splits * 2 * 4)?;
         }
         let Some(b) = inner.scratch.bufs.as_ref() else {
@@ -930,12 +939,12 @@ impl Backend for CudaBackend {
             } else if decode_mma && nr > 0 && mma_shape_ok {
                 // The bf16 tensor-core kernel on the decode rows: gather their queries, attend,
                 // merge the splits, scatter the outputs back.
-                Args::new()
-                    .p(q_dec)
-                    .p(q)
-                    .p(rows)
-                    .i(q_dim)
-                    .launch(s, &kn.embed_gather, (nr, 1), 256)?;
+                Args::new().p(q_dec).p(q).p(rows).i(q_dim).launch(
+                    s,
+                    &kn.embed_gather,
+                    (nr, 1),
+                    256,
+                )?;
                 Args::new()
                     .p(o_dec)
                     .p(q_dec)
@@ -970,12 +979,12 @@ impl Backend for CudaBackend {
                     .i(split_len)
                     .i(max_splits)
                     .launch(s, &kn.decode_combine, (nh, nr), 256)?;
-                Args::new()
-                    .p(att)
-                    .p(o_dec)
-                    .p(rows)
-                    .i(q_dim)
-                    .launch(s, &kn.scatter_rows, (nr, 1), 256)?;
+                Args::new().p(att).p(o_dec).p(rows).i(q_dim).launch(
+                    s,
+                    &kn.scatter_rows,
+                    (nr, 1),
+                    256,
+                )?;
             } else if decode_mma && nr > 0 {
                 // Shapes the tensor-core kernel does not take (head_dim other than 64 or 128,
                 // more than 16 query heads per KV head): the SIMT kernel with its roundings.
@@ -1057,5 +1066,77 @@ impl Backend for CudaBackend {
             at += rows;
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_rule_covers_every_context_and_fills_the_gpu() {
+        for rows in [1, 3, 8, 64, 200] {
+            for max_len in [1, 17, 256, 1000, 4096, 32768, 131072] {
+                let (len, splits) = split_rule(rows, 8, max_len, 132);
+                assert!(len >= 256 && len % 64 == 0, "{rows} {max_len}: {len}");
+                assert!(max_len.div_ceil(len) <= splits, "{rows} {max_len}");
+                assert!(
+                    splits == 1 || (splits - 1) * len < max_len,
+                    "no empty split"
+                );
+            }
+        }
+        // Batch 1 at 32k: long contexts are spread over about two blocks per multiprocessor.
+        let (_, splits) = split_rule(1, 8, 32768, 132);
+        assert!(splits * 8 >= 132, "{splits} splits leave the GPU idle");
+    }
+
+    #[test]
+    fn meta_lists_logit_rows_decode_rows_and_hidden_positions() {
+        let mut t1 = crate::model::BlockTable {
+            blocks: vec![5, 2],
+            len: 16,
+        };
+        let mut t2 = crate::model::BlockTable {
+            blocks: vec![7],
+            len: 3,
+        };
+        let (a, b) = ([1u32, 2, 3], [9u32]);
+        let segs = [
+            Segment {
+                tokens: &a,
+                table: &mut t1,
+                decode: false,
+                want: WantLogits::All,
+                fault_chunk_boundary: true,
+            },
+            Segment {
+                tokens: &b,
+                table: &mut t2,
+                decode: true,
+                want: WantLogits::Last,
+                fault_chunk_boundary: false,
+            },
+        ];
+        let where_ = [(0, 16), (0, 17), (0, 18), (1, 3)];
+        let toggles: Toggles = "attn_decode=mma-bf16".parse().unwrap();
+        let m = build_meta(&segs, &where_, 16, &toggles);
+        let d = &m.data;
+        assert_eq!(&d[m.ids..m.ids + 4], &[1, 2, 3, 9]);
+        // Position 16 of the first sequence is slot 0 of block 2; position 3 of the second is
+        // slot 3 of block 7.
+        assert_eq!(&d[m.slots..m.slots + 4], &[32, 33, 34, 115]);
+        assert_eq!(&d[m.ctx..m.ctx + 4], &[17, 18, 19, 4]);
+        // The chunk-boundary fault hides position 15 from the chunk's first token only.
+        assert_eq!(&d[m.hide..m.hide + 4], &[15, -1, -1, -1]);
+        assert_eq!(m.max_blocks, 2);
+        assert_eq!(&d[m.tables..m.tables + 4], &[5, 2, 7, 0]);
+        assert_eq!(
+            &d[m.logit_rows..m.logit_rows + m.n_logit_rows],
+            &[0, 1, 2, 3]
+        );
+        assert_eq!(&d[m.decode_rows..m.decode_rows + m.n_decode_rows], &[3]);
+        assert_eq!(&d[m.decode_tables..m.decode_tables + 2], &[7, 0]);
+        assert_eq!(d[m.decode_ctx], 4);
     }
 }
