@@ -2,25 +2,33 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
-use clap::Args;
+use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use tapedeck_replayer::history::HistoryMode;
+use tapedeck_replayer::merge::{merge_runs, missing_shards};
 use tapedeck_replayer::metrics::Slo;
-use tapedeck_replayer::report::{self as run_report, Pacing, RunSummary};
+use tapedeck_replayer::report::{self as run_report, Pacing, RunSummary, ThinkTime};
 use tapedeck_replayer::run::{replay, ReplayConfig};
-use tapedeck_replayer::session::{session_from_line, Session, SessionFilter, SessionSource};
+use tapedeck_replayer::session::{
+    parse_time, session_from_line, Session, SessionFilter, SessionSource, Shard,
+};
 use tapedeck_replayer::target::{self, TargetOptions};
 
 use crate::embedded;
 
 /// Arguments of `tapedeck replay`.
 #[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct ReplayArgs {
+    /// `merge`: combine run summaries (e.g. the shards of a `--shard i/n` replay).
+    #[command(subcommand)]
+    pub command: Option<ReplayCommand>,
     /// Sessions: a tapedeck database (`.db`) or a `tapedeck.session.v1` JSONL file.
-    #[arg(long)]
-    pub sessions: PathBuf,
+    #[arg(long, required = true)]
+    pub sessions: Option<PathBuf>,
     /// The candidate: `engine:MODEL?name=value,...` (MODEL: a directory or an embedded fixture)
     /// or an OpenAI-compatible base URL (`http://host:port`).
     #[arg(long, default_value = "engine:tiny-qwen2")]
@@ -35,6 +43,17 @@ pub struct ReplayArgs {
     /// Sessions per second, Poisson arrivals (open loop; latency from the intended start).
     #[arg(long)]
     pub rate: Option<f64>,
+    /// Open-loop arrival burstiness: inter-arrival gaps are gamma distributed with this shape and
+    /// mean 1/rate (1 = Poisson; below 1 burstier, above 1 more even), as vLLM's `--burstiness`.
+    #[arg(long, requires = "rate")]
+    pub burstiness: Option<f64>,
+    /// Pause between a session's turns: `none`, `recorded` (the recorded gap between the end of
+    /// one answer and the next request) or `scaled:X` (the recorded gap times X).
+    #[arg(long, default_value = "none")]
+    pub think_time: String,
+    /// Cap on any one think time: `500ms`, `30s`, `2m` (a bare number is seconds).
+    #[arg(long)]
+    pub max_think_time: Option<String>,
     /// `recorded`: start each session at its recorded arrival time (relative to the earliest),
     /// divided by `--speed`; latency is measured from that intended time.
     #[arg(long, value_parser = ["recorded"], conflicts_with_all = ["rate"])]
@@ -48,6 +67,22 @@ pub struct ReplayArgs {
     /// Only these session IDs (repeatable).
     #[arg(long = "session")]
     pub session_ids: Vec<String>,
+    /// Only sessions that started (first recorded request) at or after this time: RFC 3339
+    /// (`2026-12-03T10:00:00Z`) or Unix seconds.
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Only sessions that started before this time (RFC 3339 or Unix seconds; exclusive).
+    #[arg(long)]
+    pub until: Option<String>,
+    /// Only sessions whose recorded client (user agent) contains this text, ignoring case
+    /// (repeatable: any of them).
+    #[arg(long = "client")]
+    pub clients: Vec<String>,
+    /// Replay only shard i of n (0-based): the sessions whose SHA-256(session ID) mod n is i,
+    /// cut after the other filters and `--sample`. Pacing applies per shard (`--rate R` on n
+    /// machines offers n·R in all). Merge the shards' `--json` files with `tapedeck replay merge`.
+    #[arg(long)]
+    pub shard: Option<String>,
     /// Only sessions with at least this many turns.
     #[arg(long, default_value_t = 0)]
     pub min_turns: usize,
@@ -86,6 +121,54 @@ pub struct ReplayArgs {
     /// line and field, and read the rest).
     #[arg(long)]
     pub strict: bool,
+}
+
+/// Subcommands of `tapedeck replay`.
+#[derive(Subcommand, Debug)]
+pub enum ReplayCommand {
+    /// Merge run summaries (the shards of one `--shard i/n` replay, or runs over disjoint
+    /// sessions) into one; latency percentiles come from the added HDR histograms, so they equal
+    /// those of one run over the same requests.
+    Merge(MergeArgs),
+}
+
+/// Arguments of `tapedeck replay merge`.
+#[derive(Args, Debug)]
+pub struct MergeArgs {
+    /// Run summaries: `--json` files, or run IDs stored in `--db`.
+    #[arg(required = true, num_args = 1..)]
+    pub runs: Vec<PathBuf>,
+    /// Write the merged summary (JSON) here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Database holding runs named by ID.
+    #[arg(long)]
+    pub db: Option<PathBuf>,
+    /// Accept an incomplete set of shards (default: a missing shard is an error, because the
+    /// merged figures would silently cover only part of the sessions).
+    #[arg(long)]
+    pub partial: bool,
+}
+
+/// Parses `--max-think-time`: a number with unit `ms`, `s` or `m`; a bare number is seconds.
+pub fn parse_duration(text: &str) -> Result<Duration> {
+    let t = text.trim();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (t, 1.0)
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .ok()
+        .filter(|v: &f64| v.is_finite() && *v >= 0.0)
+        .with_context(|| format!("{text:?} is not a duration (e.g. 500ms, 30s, 2m)"))?;
+    Duration::try_from_secs_f64(v * scale).with_context(|| format!("{text:?} is out of range"))
 }
 
 /// Target options that resolve embedded fixture names for `engine:` specs.
@@ -212,8 +295,14 @@ pub async fn run_replay(
     Ok(run?)
 }
 
-/// Runs `tapedeck replay`.
+/// Runs `tapedeck replay` (or `tapedeck replay merge`).
 pub fn run(args: ReplayArgs) -> Result<()> {
+    if let Some(ReplayCommand::Merge(m)) = args.command {
+        return merge(m);
+    }
+    let Some(sessions_path) = args.sessions.clone() else {
+        anyhow::bail!("--sessions is required");
+    };
     let history: HistoryMode = args
         .history
         .parse()
@@ -222,12 +311,31 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         Some(s) => s.parse().context("--slo")?,
         None => Slo::default(),
     };
+    let think_time: ThinkTime = args.think_time.parse().context("--think-time")?;
+    let max_think_time = args
+        .max_think_time
+        .as_deref()
+        .map(parse_duration)
+        .transpose()
+        .context("--max-think-time")?;
+    let shard: Option<Shard> = args
+        .shard
+        .as_deref()
+        .map(str::parse)
+        .transpose()
+        .context("--shard")?;
+    let time = |flag: &str, v: &Option<String>| -> Result<Option<i64>> {
+        v.as_deref()
+            .map(|t| parse_time(t).with_context(|| flag.to_string()))
+            .transpose()
+    };
     let cfg = ReplayConfig {
         pacing: match (args.timing.as_deref(), args.rate) {
             (Some(_), _) => Pacing::Recorded { speed: args.speed },
             (None, Some(rate)) => Pacing::Open {
                 rate,
                 seed: args.seed,
+                burstiness: args.burstiness.unwrap_or(1.0),
             },
             (None, None) => Pacing::Closed {
                 concurrency: args.concurrency,
@@ -238,19 +346,37 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         max_tokens_cap: args.max_tokens,
         slo,
         drift_tolerance: args.drift_tolerance,
+        think_time,
+        max_think_time,
+        shard,
         ..Default::default()
     };
     let filter = SessionFilter {
         ids: args.session_ids.clone(),
+        since_us: time("--since", &args.since)?,
+        until_us: time("--until", &args.until)?,
+        clients: args.clients.clone(),
         min_turns: args.min_turns,
         sample: args.sample,
         seed: args.seed,
+        shard,
     };
+    filter.check().context("session filter")?;
     let rt = tokio::runtime::Runtime::new()?;
     let run = rt.block_on(async {
-        let sessions = load_sessions_with(&args.sessions, &filter, args.strict).await?;
+        let sessions = load_sessions_with(&sessions_path, &filter, args.strict).await?;
         if sessions.is_empty() {
-            anyhow::bail!("no sessions to replay in {}", args.sessions.display());
+            // An empty shard is a legitimate outcome of a split over few sessions, not a mistake.
+            if shard.is_none() {
+                anyhow::bail!(
+                    "no sessions to replay in {} (after filters)",
+                    sessions_path.display()
+                );
+            }
+            eprintln!(
+                "shard {}: no sessions fall in this shard",
+                shard.map(|s| s.to_string()).unwrap_or_default()
+            );
         }
         run_replay(sessions, &args.target, cfg, args.threads, args.quiet).await
     })?;
@@ -262,7 +388,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
     let save = match (&args.save, args.no_save) {
         (_, true) => None,
         (Some(db), false) => Some(db.clone()),
-        (None, false) => match SessionSource::from_path(&args.sessions) {
+        (None, false) => match SessionSource::from_path(&sessions_path) {
             SessionSource::Database(db) => Some(db),
             SessionSource::Jsonl(_) => None,
         },
@@ -277,6 +403,44 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             anyhow::Ok(id)
         })?;
         eprintln!("run {id} saved to {}", db.display());
+    }
+    Ok(())
+}
+
+/// Runs `tapedeck replay merge`: reads the summaries, merges them, prints and writes the result.
+pub fn merge(args: MergeArgs) -> Result<()> {
+    let runs = args
+        .runs
+        .iter()
+        .map(|r| read_run(r, args.db.as_deref()))
+        .collect::<Result<Vec<_>>>()?;
+    let names: Vec<String> = args.runs.iter().map(|p| p.display().to_string()).collect();
+    let merged = merge_runs(&runs).with_context(|| {
+        let list: Vec<String> = names
+            .iter()
+            .enumerate()
+            .map(|(k, n)| format!("input {} = {n}", k + 1))
+            .collect();
+        format!("merging {}", list.join(", "))
+    })?;
+    let missing = missing_shards(&merged);
+    if !missing.is_empty() {
+        let list: Vec<String> = missing.iter().map(Shard::to_string).collect();
+        if !args.partial {
+            anyhow::bail!(
+                "shards {} are missing (give every shard, or --partial to merge what is there)",
+                list.join(", ")
+            );
+        }
+        eprintln!(
+            "warning: shards {} are missing; the merged run covers only part of the sessions",
+            list.join(", ")
+        );
+    }
+    print_summary(&merged);
+    if let Some(path) = &args.json {
+        run_report::write_json(path, &merged)?;
+        eprintln!("merged run summary written to {}", path.display());
     }
     Ok(())
 }
@@ -307,8 +471,14 @@ pub fn read_run(arg: &Path, db: Option<&Path>) -> Result<RunSummary> {
 pub fn print_summary(run: &RunSummary) {
     let s = &run.speed;
     let f = &run.fidelity;
+    let mut part = String::new();
+    if let Some(sh) = run.settings.shard {
+        part = format!(" [shard {sh}]");
+    } else if !run.merged_from.is_empty() {
+        part = format!(" [merged from {} runs]", run.merged_from.len());
+    }
     println!(
-        "target {} — {} sessions, {} requests ({} failed) in {:.1} s",
+        "target {}{part} — {} sessions, {} requests ({} failed) in {:.1} s",
         run.target.spec, run.sessions_started, s.completed, s.failed, s.duration_s
     );
     println!(
@@ -338,6 +508,22 @@ pub fn print_summary(run: &RunSummary) {
                 .map(|r| r.flags.join(","))
                 .unwrap_or_default();
             println!("  session {}: first divergent turn {t} ({flags})", srow.id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_with_units() {
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("1.5").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_duration(" 2m ").unwrap(), Duration::from_secs(120));
+        for bad in ["", "fast", "-1s", "1h", "nan"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
         }
     }
 }

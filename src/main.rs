@@ -37,7 +37,7 @@ enum Command {
     #[command(subcommand)]
     Sessions(cli_serve::SessionsCommand),
     /// Re-run recorded sessions against a candidate; measure speed and context fidelity.
-    Replay(cli_replay::ReplayArgs),
+    Replay(Box<cli_replay::ReplayArgs>),
     /// Render a replay run as text, JSON, Markdown or a self-contained HTML page.
     Report(cli_verdict::ReportArgs),
     /// Compare a candidate run with a baseline under a policy; exit 0 pass, 1 fail, 2 not comparable.
@@ -91,7 +91,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Demo(args) => cli_demo::run(args),
         Command::Serve(args) => cli_serve::serve(args),
         Command::Sessions(cmd) => cli_serve::sessions(cmd),
-        Command::Replay(args) => cli_replay::run(args),
+        Command::Replay(args) => cli_replay::run(*args),
         Command::Synth(cmd) => cli_synth::run(cmd),
         Command::Report(args) => cli_verdict::report(args),
         Command::Compare(args) => exit_with(cli_verdict::compare(args)?),

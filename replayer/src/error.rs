@@ -78,6 +78,10 @@ pub enum Error {
         /// What was wrong.
         message: String,
     },
+    /// Run summaries could not be merged (different targets or settings, a shard given twice, a
+    /// session in two inputs).
+    #[error("merging runs: {0}")]
+    Merge(String),
     /// The replay was cancelled while this request was in flight.
     #[error("cancelled")]
     Cancelled,
@@ -104,6 +108,7 @@ impl Error {
             Error::Histogram(_) => "histogram".into(),
             Error::Json { .. } => "json".into(),
             Error::Setting { .. } => "setting".into(),
+            Error::Merge(_) => "merge".into(),
             Error::Cancelled => "cancelled".into(),
         }
     }

@@ -9,12 +9,15 @@
 //! * [`run`]: the replay loop ([`replay`]), pacing (closed/open loop) and cancellation.
 //! * [`metrics`]: pure speed and fidelity arithmetic (HDR histograms, drift, KL from top-k).
 //! * [`report`]: the serializable [`RunSummary`].
+//! * [`merge`]: merging run summaries (the shards of a replay split with `--shard i/n`), with the
+//!   HDR histograms added so merged percentiles are exact.
 //!
 //! The CLI builds a [`ReplayJob`] and calls [`run_job`]; [`replay`] is the same loop over sessions
 //! and a target already in hand. File formats: `replayer/FORMAT.md`.
 
 pub mod error;
 pub mod history;
+pub mod merge;
 pub mod metrics;
 pub mod report;
 pub mod run;
@@ -24,7 +27,8 @@ pub mod target;
 
 pub use error::{Error, Result};
 pub use history::HistoryMode;
-pub use report::{Pacing, RunSummary};
-pub use run::{replay, run_job, ReplayConfig, ReplayJob};
-pub use session::{Session, SessionFilter, SessionSource, Turn};
+pub use merge::merge_runs;
+pub use report::{Pacing, RunSummary, ThinkTime};
+pub use run::{replay, run_job, summarize, ReplayConfig, ReplayJob, RunFacts};
+pub use session::{parse_time, Session, SessionFilter, SessionSource, Shard, Turn};
 pub use target::{EngineTarget, HttpTarget, Target, TargetOptions};

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::history::HistoryMode;
 use crate::metrics::{BucketDrift, DriftStats, RequestTiming, Slo, SpeedSummary};
-use crate::session::TurnKind;
+use crate::session::{Shard, TurnKind};
 use crate::target::TargetInfo;
 
 /// The `format` of a run summary.
@@ -31,15 +31,21 @@ pub enum Pacing {
         /// Sessions in flight.
         concurrency: usize,
     },
-    /// Open loop: sessions start at Poisson arrival times of `rate` sessions per second,
-    /// regardless of how many are in flight. The first turn's latencies are measured from the
-    /// session's intended start, so a slow server cannot hide its queueing (no coordinated
-    /// omission).
+    /// Open loop: sessions start at random arrival times of `rate` sessions per second on
+    /// average, regardless of how many are in flight. Gaps between arrivals are gamma distributed
+    /// with shape `burstiness` and mean `1/rate` (vLLM's `--burstiness`): 1 is a Poisson process,
+    /// below 1 arrivals come in bursts, above 1 they are more even. The first turn's latencies
+    /// are measured from the session's intended start, so a slow server cannot hide its queueing
+    /// (no coordinated omission).
     Open {
         /// Sessions per second.
         rate: f64,
         /// Seed of the arrival process.
         seed: u64,
+        /// Gamma shape of the inter-arrival gaps; the squared coefficient of variation of a gap
+        /// is `1/burstiness`. Absent in runs written before it existed, which were Poisson (1).
+        #[serde(default = "poisson_burstiness")]
+        burstiness: f64,
     },
     /// Recorded timing: each session starts at its recorded first arrival, as an offset from the
     /// earliest session's, divided by `speed` (2 replays twice as fast). Sessions with no
@@ -49,6 +55,79 @@ pub enum Pacing {
         /// Time compression: recorded offsets are divided by it (1 = as recorded).
         speed: f64,
     },
+}
+
+fn poisson_burstiness() -> f64 {
+    1.0
+}
+
+/// Waiting between a session's turns, as a user (or agent) does between reading an answer and
+/// sending the next request. Without it a replay sends every turn back to back, which overstates
+/// the load per session and removes the idle gaps in which a server evicts or offloads a
+/// session's KV cache — exactly where a "forgets earlier turns" bug hides.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum ThinkTime {
+    /// The next turn is sent as soon as the previous answer is complete.
+    #[default]
+    None,
+    /// The recorded gap: turn `k`'s recorded arrival minus the end of turn `k−1`'s recorded
+    /// response (its arrival plus its recorded E2E). Unknown or negative gaps count as 0.
+    Recorded,
+    /// The recorded gap multiplied by `factor` (`scaled:0.5` halves every pause).
+    Scaled {
+        /// Multiplier of the recorded gap (finite, ≥ 0).
+        factor: f64,
+    },
+}
+
+impl ThinkTime {
+    /// The multiplier applied to recorded gaps (0 for [`ThinkTime::None`]).
+    pub fn factor(&self) -> f64 {
+        match self {
+            ThinkTime::None => 0.0,
+            ThinkTime::Recorded => 1.0,
+            ThinkTime::Scaled { factor } => *factor,
+        }
+    }
+}
+
+impl std::fmt::Display for ThinkTime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ThinkTime::None => write!(f, "none"),
+            ThinkTime::Recorded => write!(f, "recorded"),
+            ThinkTime::Scaled { factor } => write!(f, "scaled:{factor}"),
+        }
+    }
+}
+
+impl std::str::FromStr for ThinkTime {
+    type Err = Error;
+
+    /// Parses `none`, `recorded` or `scaled:X` (X a finite number ≥ 0).
+    fn from_str(s: &str) -> Result<ThinkTime> {
+        let bad = |m: String| Error::Setting {
+            name: "think-time",
+            message: m,
+        };
+        match s.trim() {
+            "none" => Ok(ThinkTime::None),
+            "recorded" => Ok(ThinkTime::Recorded),
+            other => {
+                let x = other
+                    .strip_prefix("scaled:")
+                    .ok_or_else(|| bad(format!("{other:?} is not none, recorded or scaled:X")))?;
+                let factor: f64 = x
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|f: &f64| f.is_finite() && *f >= 0.0)
+                    .ok_or_else(|| bad(format!("{x:?} is not a finite factor >= 0")))?;
+                Ok(ThinkTime::Scaled { factor })
+            }
+        }
+    }
 }
 
 impl Default for Pacing {
@@ -74,6 +153,16 @@ pub struct RunSettings {
     pub slo: Slo,
     /// |Δlogprob| above which a turn is flagged for drift (nats).
     pub drift_tolerance: f64,
+    /// Think time between a session's turns (absent in older runs: none).
+    #[serde(default)]
+    pub think_time: ThinkTime,
+    /// Upper bound on any one think time, milliseconds (`None`: unbounded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_think_time_ms: Option<f64>,
+    /// The part of the sessions this run replayed when the replay was split across machines
+    /// (`--shard i/n`); `None` for a whole replay and for a merge of shards.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<Shard>,
 }
 
 /// Prompt-encoding fidelity of one turn.
@@ -233,6 +322,28 @@ pub struct RunSummary {
     pub flagged: bool,
     /// Per-session, per-turn rows.
     pub sessions: Vec<SessionRow>,
+    /// The runs this summary was merged from (`tapedeck replay merge`), in input order; empty
+    /// for a run that was replayed directly.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub merged_from: Vec<MergedPart>,
+}
+
+/// One input of a merged run: enough to see which shards went in and when each ran.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MergedPart {
+    /// The part's shard, when it was one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<Shard>,
+    /// Its start, µs since the Unix epoch.
+    pub started_at_us: i64,
+    /// Its end, µs since the Unix epoch.
+    pub ended_at_us: i64,
+    /// Sessions it loaded.
+    pub sessions_total: usize,
+    /// Requests it completed.
+    pub completed: u64,
+    /// Whether it was cancelled.
+    pub cancelled: bool,
 }
 
 /// Writes a run summary as pretty JSON.

@@ -1,8 +1,10 @@
 //! The replay loop: sessions turn by turn, many sessions at once, measured as they go.
 //!
-//! Each session runs its turns in order with no think time. Sessions are paced closed loop (a
-//! fixed number in flight), open loop (Poisson arrivals, latency from the intended start) or at
-//! their recorded arrival times scaled by a speed factor (latency from the intended start too).
+//! Each session runs its turns in order, pausing between them for its think time (none, the
+//! recorded gap, or the recorded gap scaled, with an optional cap). Sessions are paced closed loop
+//! (a fixed number in flight; a thinking session keeps its slot), open loop (gamma-distributed
+//! arrivals — Poisson at burstiness 1 — with latency from the intended start) or at their recorded
+//! arrival times scaled by a speed factor (latency from the intended start too).
 //! Every turn is generated free-running, compared with its recording, and — when the recording
 //! has output token IDs and summaries — its recorded output is scored under the candidate
 //! (teacher forcing). Cancellation (`watch` channel set to `true`, e.g. on Ctrl-C) stops new
@@ -14,6 +16,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Gamma};
 use tokio::sync::watch;
 
 use crate::error::{Error, Result};
@@ -24,9 +27,9 @@ use crate::metrics::{
 };
 use crate::report::{
     FidelitySummary, OutputFidelity, Pacing, PromptFidelity, RunSettings, RunSummary, SessionRow,
-    TurnDrift, TurnRow, RUN_FORMAT,
+    ThinkTime, TurnDrift, TurnRow, RUN_FORMAT,
 };
-use crate::session::{Session, SessionFilter, SessionSource, Turn};
+use crate::session::{Session, SessionFilter, SessionSource, Shard, Turn};
 use crate::target::{GenOptions, Target, TargetOptions, TurnOutput};
 
 /// Called after every finished turn (progress bars, live logs).
@@ -50,6 +53,14 @@ pub struct ReplayConfig {
     /// |Δlogprob| (nats) above which a turn is flagged for drift. A rerun of the reference is
     /// bit-exact (0), so the default only needs to sit above float noise.
     pub drift_tolerance: f64,
+    /// Pause between a session's turns.
+    pub think_time: ThinkTime,
+    /// Cap on any one pause (`None`: unbounded).
+    pub max_think_time: Option<Duration>,
+    /// Which shard of the sessions this run replays, recorded in the run settings so that
+    /// `tapedeck replay merge` can check it is given each shard once. Selecting the shard's
+    /// sessions is the [`SessionFilter`]'s job ([`ReplayJob`] copies its shard here).
+    pub shard: Option<Shard>,
     /// Called after each turn.
     pub progress: Option<Arc<ProgressFn>>,
 }
@@ -64,6 +75,9 @@ impl Default for ReplayConfig {
             max_tokens_cap: None,
             slo: Slo::default(),
             drift_tolerance: 1e-4,
+            think_time: ThinkTime::None,
+            max_think_time: None,
+            shard: None,
             progress: None,
         }
     }
@@ -79,6 +93,9 @@ impl std::fmt::Debug for ReplayConfig {
             .field("max_tokens_cap", &self.max_tokens_cap)
             .field("slo", &self.slo)
             .field("drift_tolerance", &self.drift_tolerance)
+            .field("think_time", &self.think_time)
+            .field("max_think_time", &self.max_think_time)
+            .field("shard", &self.shard)
             .finish_non_exhaustive()
     }
 }
@@ -93,10 +110,24 @@ impl ReplayConfig {
             max_tokens_cap: self.max_tokens_cap,
             slo: self.slo,
             drift_tolerance: self.drift_tolerance,
+            think_time: self.think_time,
+            max_think_time_ms: self.max_think_time.map(|d| d.as_secs_f64() * 1000.0),
+            shard: self.shard,
         }
     }
 
     fn check(&self) -> Result<()> {
+        if let ThinkTime::Scaled { factor } = self.think_time {
+            if !(factor.is_finite() && factor >= 0.0) {
+                return Err(Error::Setting {
+                    name: "think-time",
+                    message: format!("scaled:{factor}: the factor must be finite and >= 0"),
+                });
+            }
+        }
+        if let Some(sh) = self.shard {
+            Shard::new(sh.index, sh.count)?;
+        }
         match self.pacing {
             Pacing::Closed { concurrency: 0 } => Err(Error::Setting {
                 name: "concurrency",
@@ -106,6 +137,12 @@ impl ReplayConfig {
                 name: "rate",
                 message: format!("{rate} is not a positive number of sessions per second"),
             }),
+            Pacing::Open { burstiness, .. } if !(burstiness.is_finite() && burstiness > 0.0) => {
+                Err(Error::Setting {
+                    name: "burstiness",
+                    message: format!("{burstiness} is not a positive gamma shape"),
+                })
+            }
             Pacing::Recorded { speed } if !(speed.is_finite() && speed > 0.0) => {
                 Err(Error::Setting {
                     name: "speed",
@@ -150,6 +187,68 @@ pub fn poisson_offsets(n: usize, rate: f64, seed: u64) -> Vec<Duration> {
             Duration::from_secs_f64(t)
         })
         .collect()
+}
+
+/// Start offsets of `n` sessions whose inter-arrival gaps are gamma distributed with shape
+/// `burstiness` and scale `1/(rate·burstiness)` — mean `1/rate` whatever the shape, variance
+/// `1/(rate²·burstiness)` — as vLLM's `benchmark_serving --burstiness` draws them. Shape 1 is the
+/// exponential, and then the schedule is exactly [`poisson_offsets`]'s (so runs recorded before
+/// burstiness existed replay the same arrivals from their seed).
+pub fn arrival_offsets(n: usize, rate: f64, burstiness: f64, seed: u64) -> Result<Vec<Duration>> {
+    if !(rate.is_finite() && rate > 0.0) {
+        return Err(Error::Setting {
+            name: "rate",
+            message: format!("{rate} is not a positive number of sessions per second"),
+        });
+    }
+    if burstiness == 1.0 {
+        return Ok(poisson_offsets(n, rate, seed));
+    }
+    let gamma = Gamma::new(burstiness, 1.0 / (rate * burstiness)).map_err(|e| Error::Setting {
+        name: "burstiness",
+        message: format!("{burstiness}: {e}"),
+    })?;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut t = 0.0f64;
+    Ok((0..n)
+        .map(|_| {
+            t += gamma.sample(&mut rng);
+            Duration::from_secs_f64(t)
+        })
+        .collect())
+}
+
+/// The recorded think time before `next`: its recorded arrival minus the end of `prev`'s recorded
+/// response (`prev` arrival + recorded E2E), in µs. `None` when a time is missing; 0 when the next
+/// request arrived before the previous answer ended (a client that does not wait, e.g. a title
+/// request sent alongside the agent turn).
+pub fn recorded_gap_us(prev: &Turn, next: &Turn) -> Option<u64> {
+    let prev_end = prev
+        .arrival_us?
+        .saturating_add(i64::try_from(prev.recorded.as_ref()?.e2e_us?).ok()?);
+    Some(u64::try_from(next.arrival_us?.saturating_sub(prev_end)).unwrap_or(0))
+}
+
+/// The pause before each turn of `session` under `mode`, capped at `max`: element `k` is waited
+/// after turn `k−1`'s answer ends and before turn `k` is sent (element 0 is always zero: a
+/// session's start is the pacing's business). A gap that cannot be derived counts as zero, so
+/// missing data never slows a replay down.
+pub fn think_times(session: &Session, mode: ThinkTime, max: Option<Duration>) -> Vec<Duration> {
+    let factor = mode.factor();
+    let mut out = Vec::with_capacity(session.turns.len());
+    for k in 0..session.turns.len() {
+        let gap_us = match k {
+            0 => 0,
+            _ if factor == 0.0 => 0,
+            _ => recorded_gap_us(&session.turns[k - 1], &session.turns[k]).unwrap_or(0),
+        };
+        let mut d = Duration::from_secs_f64(gap_us as f64 * factor / 1e6);
+        if let Some(m) = max {
+            d = d.min(m);
+        }
+        out.push(d);
+    }
+    out
 }
 
 fn now_us() -> i64 {
@@ -336,13 +435,35 @@ async fn run_session(
     };
     let mut results: Vec<TurnResult> = Vec::new();
     let mut answers: Vec<(usize, tapedeck_engine::ChatMessage)> = Vec::new();
+    let pauses = think_times(&session, cfg.think_time, cfg.max_think_time);
     let mut intended = intended_start;
     let mut was_cancelled = false;
     let mut any_mismatch = false;
+    // When the previous answer ended (the think time counts from there).
+    let mut last_end: Option<Instant> = None;
     for (k, turn) in session.turns.iter().enumerate() {
         if *cancel.borrow() {
             was_cancelled = true;
             break;
+        }
+        if let Some(end) = last_end {
+            // The next request is due `pause` after the answer ended. Time the replayer itself
+            // spent after the answer (teacher-forced scoring) overlaps the pause; if it ran
+            // past the due time, latency counts from when the replayer was ready, so its own
+            // work is never charged to the target.
+            let ready = Instant::now();
+            let due = end + pauses[k];
+            if due > ready {
+                let slept = tokio::select! {
+                    _ = tokio::time::sleep_until(due.into()) => true,
+                    _ = cancelled(cancel.clone()) => false,
+                };
+                if !slept {
+                    was_cancelled = true;
+                    break;
+                }
+            }
+            intended = due.max(ready);
         }
         let mut request = turn.request.clone();
         if cfg.history == HistoryMode::SelfFed {
@@ -365,6 +486,10 @@ async fn run_session(
             break;
         };
         let after_mismatch = cfg.history == HistoryMode::SelfFed && any_mismatch;
+        last_end = Some(match &outcome {
+            Ok(out) => out.clock.end,
+            Err(_) => Instant::now(),
+        });
         let result = match outcome {
             Ok(out) => {
                 let timing = timing_from(&out, intended);
@@ -414,7 +539,6 @@ async fn run_session(
         if failed && cfg.history == HistoryMode::SelfFed {
             break;
         }
-        intended = Instant::now();
     }
     let row = SessionRow {
         id: session.id.clone(),
@@ -466,7 +590,11 @@ pub async fn replay(
         pacing @ (Pacing::Open { .. } | Pacing::Recorded { .. }) => {
             let offsets = match pacing {
                 Pacing::Recorded { speed } => recorded_offsets(&sessions, speed),
-                Pacing::Open { rate, seed } => poisson_offsets(total, rate, seed),
+                Pacing::Open {
+                    rate,
+                    seed,
+                    burstiness,
+                } => arrival_offsets(total, rate, burstiness, seed)?,
                 Pacing::Closed { .. } => unreachable!("closed loop is handled above"),
             };
             let mut running = FuturesUnordered::new();
@@ -495,16 +623,25 @@ pub async fn replay(
     }
     let duration = start.elapsed();
     done.sort_by_key(|(i, _, _)| *i);
-    summarize(
-        target.info(),
-        cfg,
+    let mut positions = Vec::new();
+    let mut rows = Vec::with_capacity(done.len());
+    for (_, row, results) in done {
+        for r in results {
+            positions.extend(r.positions);
+        }
+        rows.push(row);
+    }
+    summarize(RunFacts {
+        target: target.info(),
+        settings: cfg.settings(),
         started_at_us,
         duration,
-        *cancel.borrow(),
-        total,
-        started,
-        done.into_iter().map(|(_, r, t)| (r, t)).collect(),
-    )
+        cancelled: *cancel.borrow(),
+        sessions_total: total,
+        sessions_started: started,
+        sessions: rows,
+        positions,
+    })
 }
 
 /// Everything `tapedeck replay` asks for: where sessions come from, which target, how to replay,
@@ -534,37 +671,65 @@ pub async fn run_job(job: &ReplayJob, cancel: watch::Receiver<bool>) -> Result<R
     let target = tokio::task::spawn_blocking(move || crate::target::open(&spec, &opts))
         .await
         .map_err(|e| Error::Generation(format!("target loading task failed: {e}")))??;
-    let summary = replay(sessions, target, &job.config, cancel).await?;
+    let mut config = job.config.clone();
+    config.shard = config.shard.or(job.filter.shard);
+    let summary = replay(sessions, target, &config, cancel).await?;
     if let Some(path) = &job.json {
         crate::report::write_json(path, &summary)?;
     }
     Ok(summary)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn summarize(
-    target: crate::target::TargetInfo,
-    cfg: &ReplayConfig,
-    started_at_us: i64,
-    duration: Duration,
-    cancelled: bool,
-    total: usize,
-    started: usize,
-    sessions: Vec<(SessionRow, Vec<TurnResult>)>,
-) -> Result<RunSummary> {
+/// The raw facts of a run that [`summarize`] turns into a [`RunSummary`]: the per-turn rows
+/// (grouped by session, each successful turn with its timing) and every teacher-forced position.
+/// Public so that a summary can be rebuilt from rows — and so tests can check aggregation (e.g.
+/// that merged shards equal one run) on hand-made turns.
+#[derive(Debug, Clone)]
+pub struct RunFacts {
+    /// The candidate.
+    pub target: crate::target::TargetInfo,
+    /// The settings the run used (SLOs are read from here).
+    pub settings: RunSettings,
+    /// Start, µs since the Unix epoch.
+    pub started_at_us: i64,
+    /// Wall-clock duration rates are computed over.
+    pub duration: Duration,
+    /// Whether the run was cancelled.
+    pub cancelled: bool,
+    /// Sessions loaded.
+    pub sessions_total: usize,
+    /// Sessions started.
+    pub sessions_started: usize,
+    /// One row per session, its turns inside.
+    pub sessions: Vec<SessionRow>,
+    /// Every teacher-forced position of every turn (for run-level drift and its buckets).
+    pub positions: Vec<PositionDrift>,
+}
+
+/// Aggregates a run's facts: speed from each turn's timing (a turn without timing is a failure
+/// of its `error_kind`), fidelity from each row, drift from the positions.
+pub fn summarize(facts: RunFacts) -> Result<RunSummary> {
+    let RunFacts {
+        target,
+        settings,
+        started_at_us,
+        duration,
+        cancelled,
+        sessions_total,
+        sessions_started,
+        sessions,
+        positions,
+    } = facts;
     let mut speed = SpeedAccumulator::default();
-    let mut positions = Vec::new();
     let mut fid = FidelitySummary::default();
     let mut edit_sum = 0.0;
-    for (_, results) in &sessions {
-        for r in results {
-            match (&r.timing, &r.row.error_kind) {
-                (Some(t), _) => speed.success(t, &cfg.slo),
+    for srow in &sessions {
+        for row in &srow.turns {
+            match (&row.timing, &row.error_kind) {
+                (Some(t), _) => speed.success(t, &settings.slo),
                 (None, Some(kind)) => speed.failure(kind),
                 (None, None) => speed.failure("unknown"),
             }
-            positions.extend_from_slice(&r.positions);
-            let row = &r.row;
             if let Some(o) = &row.output {
                 fid.compared_turns += 1;
                 fid.exact_match_turns += usize::from(o.exact_match);
@@ -598,22 +763,138 @@ fn summarize(
     Ok(RunSummary {
         format: RUN_FORMAT.into(),
         target,
-        settings: cfg.settings(),
+        settings,
         started_at_us,
         ended_at_us,
         cancelled,
-        sessions_total: total,
-        sessions_started: started,
+        sessions_total,
+        sessions_started,
         speed: speed.summary(duration.as_secs_f64())?,
         flagged: fid.flagged_turns > 0,
         fidelity: fid,
-        sessions: sessions.into_iter().map(|(r, _)| r).collect(),
+        sessions,
+        merged_from: Vec::new(),
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::session::{ChatRequest, Recorded};
+
+    fn turn(arrival_us: Option<i64>, e2e_us: Option<u64>) -> Turn {
+        Turn {
+            kind: Default::default(),
+            request: ChatRequest::default(),
+            recorded: Some(Recorded {
+                e2e_us,
+                ..Recorded::default()
+            }),
+            probe: None,
+            arrival_us,
+        }
+    }
+
+    #[test]
+    fn think_time_arithmetic() {
+        let ms = Duration::from_millis;
+        // Turn 0 at 0 s answered in 0.2 s; turn 1 at 1.0 s (thought 0.8 s) answered in 0.6 s;
+        // turn 2 at 1.5 s, before turn 1's answer ended (gap −0.1 s → 0); turn 3's predecessor
+        // has no recorded E2E (unknown → 0); turn 4 at 3.0 s after turn 3 at 2.0 s + 0.25 s.
+        let s = Session::new(
+            "s",
+            vec![
+                turn(Some(0), Some(200_000)),
+                turn(Some(1_000_000), Some(600_000)),
+                turn(Some(1_500_000), None),
+                turn(Some(2_000_000), Some(250_000)),
+                turn(Some(3_000_000), Some(1)),
+                turn(None, None),
+            ],
+        );
+        assert_eq!(recorded_gap_us(&s.turns[0], &s.turns[1]), Some(800_000));
+        assert_eq!(recorded_gap_us(&s.turns[1], &s.turns[2]), Some(0));
+        assert_eq!(recorded_gap_us(&s.turns[2], &s.turns[3]), None);
+        assert_eq!(recorded_gap_us(&s.turns[4], &s.turns[5]), None);
+        let z = Duration::ZERO;
+        assert_eq!(
+            think_times(&s, ThinkTime::Recorded, None),
+            [z, ms(800), z, z, ms(750), z]
+        );
+        assert_eq!(
+            think_times(&s, ThinkTime::Scaled { factor: 0.5 }, None),
+            [z, ms(400), z, z, Duration::from_micros(375_000), z]
+        );
+        assert_eq!(
+            think_times(&s, ThinkTime::Scaled { factor: 3.0 }, Some(ms(1000))),
+            [z, ms(1000), z, z, ms(1000), z],
+            "clamped by the maximum"
+        );
+        assert_eq!(
+            think_times(&s, ThinkTime::Recorded, Some(ms(500))),
+            [z, ms(500), z, z, ms(500), z]
+        );
+        assert_eq!(think_times(&s, ThinkTime::None, None), [z; 6]);
+        assert!(think_times(&Session::new("e", vec![]), ThinkTime::Recorded, None).is_empty());
+        assert_eq!(
+            "scaled:2.5".parse::<ThinkTime>().unwrap(),
+            ThinkTime::Scaled { factor: 2.5 }
+        );
+        assert_eq!(
+            "recorded".parse::<ThinkTime>().unwrap(),
+            ThinkTime::Recorded
+        );
+        assert_eq!("none".parse::<ThinkTime>().unwrap(), ThinkTime::None);
+        for bad in ["scaled:-1", "scaled:inf", "scaled:", "fast", "scaled:x"] {
+            assert!(bad.parse::<ThinkTime>().is_err(), "{bad}");
+        }
+    }
+
+    /// Mean and squared coefficient of variation of the gaps of an arrival schedule.
+    fn gap_moments(offs: &[Duration]) -> (f64, f64) {
+        let gaps: Vec<f64> = std::iter::once(offs[0].as_secs_f64())
+            .chain(offs.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()))
+            .collect();
+        let n = gaps.len() as f64;
+        let mean = gaps.iter().sum::<f64>() / n;
+        let var = gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / (n - 1.0);
+        (mean, var / (mean * mean))
+    }
+
+    #[test]
+    fn gamma_arrivals_keep_the_mean_and_set_the_variance() {
+        let (n, rate) = (20_000, 50.0);
+        let mut cv2s = Vec::new();
+        for b in [0.25, 0.5, 1.0, 2.0, 8.0] {
+            let offs = arrival_offsets(n, rate, b, 42).unwrap();
+            assert!(offs.windows(2).all(|w| w[0] <= w[1]), "non-decreasing");
+            let (mean, cv2) = gap_moments(&offs);
+            // Mean gap 1/rate whatever the shape. Its relative standard error is
+            // sqrt(1/(b·n)) ≤ 1.4% here; allow 6%.
+            assert!((mean * rate - 1.0).abs() < 0.06, "b={b}: mean gap {mean}");
+            // Squared CV of a gamma gap is 1/shape. The sample variance's relative standard
+            // error is about sqrt((2 + 6/b)/n) ≤ 3.6%; allow 20%.
+            assert!(
+                (cv2 * b - 1.0).abs() < 0.2,
+                "b={b}: cv² {cv2}, want {}",
+                1.0 / b
+            );
+            cv2s.push(cv2);
+            assert_eq!(offs, arrival_offsets(n, rate, b, 42).unwrap(), "seeded");
+        }
+        assert!(
+            cv2s.windows(2).all(|w| w[0] > w[1]),
+            "burstier means more variable: {cv2s:?}"
+        );
+        assert_eq!(
+            arrival_offsets(100, rate, 1.0, 9).unwrap(),
+            poisson_offsets(100, rate, 9),
+            "burstiness 1 is the Poisson schedule"
+        );
+        assert!(arrival_offsets(3, rate, 0.0, 1).is_err());
+        assert!(arrival_offsets(3, rate, f64::NAN, 1).is_err());
+        assert!(arrival_offsets(3, 0.0, 1.0, 1).is_err());
+    }
 
     #[test]
     fn poisson_mean_rate() {

@@ -9,7 +9,8 @@
 //!   `tapedeck synth` write it, or
 //! * a tapedeck recording database through the recorder's [`Store`] read API ([`load_db`]).
 //!
-//! Both go through the same [`SessionFilter`] (session IDs, minimum turns, seeded sample).
+//! Both go through the same [`SessionFilter`] (session IDs, recorded start time, client, minimum
+//! turns, seeded sample, shard).
 
 use std::path::{Path, PathBuf};
 
@@ -17,6 +18,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use sha2::{Digest, Sha256};
 use tapedeck_engine::{ChatMessage, LogitsSummary, ToolCall};
 use tapedeck_recorder::record::{Endpoint, RequestRecord};
 use tapedeck_recorder::sessions::{RequestLine, SessionLine};
@@ -34,15 +36,27 @@ pub struct Session {
     pub id: String,
     /// Turns in the order they were sent.
     pub turns: Vec<Turn>,
+    /// Who sent the session, as the recorder identified it: the session's stored client hint
+    /// (the `user-agent` of its first request), else the `user-agent` header of its first request
+    /// that recorded one. `--client` filters on it; absent in files written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client: Option<String>,
 }
 
 impl Session {
-    /// A session with the format tag filled in.
+    /// A session with no client identity (see [`Session::with_client`]).
     pub fn new(id: impl Into<String>, turns: Vec<Turn>) -> Self {
         Session {
             id: id.into(),
             turns,
+            client: None,
         }
+    }
+
+    /// The same session with its client identity set.
+    pub fn with_client(mut self, client: Option<String>) -> Self {
+        self.client = client;
+        self
     }
 }
 
@@ -222,26 +236,88 @@ impl Probe {
 }
 
 /// Which sessions to replay.
+///
+/// The criteria are applied in a fixed order so that every machine of a sharded replay cuts the
+/// same set: first the per-session predicates (IDs, time window, client, minimum turns), then the
+/// seeded sample, then the shard. Sampling before sharding means the shards of one `--sample N`
+/// partition exactly that sample.
 #[derive(Debug, Clone, Default)]
 pub struct SessionFilter {
     /// Keep only these session IDs (empty: all).
     pub ids: Vec<String>,
+    /// Keep sessions whose recorded start ([`Session::first_arrival_us`]) is at or after this
+    /// time, µs since the Unix epoch. A session with no recorded arrival is dropped when either
+    /// bound is set: it cannot be placed in the window.
+    pub since_us: Option<i64>,
+    /// Keep sessions whose recorded start is strictly before this time (µs since the epoch); the
+    /// window is half-open so consecutive windows never share a session.
+    pub until_us: Option<i64>,
+    /// Keep sessions whose client identity ([`Session::client`]) contains one of these strings,
+    /// ignoring case (empty: all). `opencode` matches `opencode/1.18.33 ai-sdk/5`; a session with
+    /// no recorded client never matches a non-empty list.
+    pub clients: Vec<String>,
     /// Keep sessions with at least this many turns.
     pub min_turns: usize,
     /// Keep a uniform random sample of this many sessions (seeded, so a rerun picks the same).
     pub sample: Option<usize>,
     /// Seed of the sample.
     pub seed: u64,
+    /// Keep only this shard's sessions (see [`Shard::contains`]), applied last.
+    pub shard: Option<Shard>,
 }
 
 impl SessionFilter {
+    /// Whether a session passes the per-session predicates (everything but sample and shard).
+    pub fn keeps(&self, s: &Session) -> bool {
+        (self.ids.is_empty() || self.ids.contains(&s.id))
+            && self.in_window(s.first_arrival_us())
+            && self.client_matches(s.client.as_deref())
+            && s.turns.len() >= self.min_turns
+    }
+
+    /// Whether a recorded start time lies in `[since_us, until_us)`; always true with no bounds.
+    pub fn in_window(&self, start_us: Option<i64>) -> bool {
+        if self.since_us.is_none() && self.until_us.is_none() {
+            return true;
+        }
+        let Some(t) = start_us else { return false };
+        self.since_us.is_none_or(|a| t >= a) && self.until_us.is_none_or(|b| t < b)
+    }
+
+    /// Whether a client identity matches [`SessionFilter::clients`].
+    pub fn client_matches(&self, client: Option<&str>) -> bool {
+        if self.clients.is_empty() {
+            return true;
+        }
+        let Some(c) = client else { return false };
+        let c = c.to_lowercase();
+        self.clients
+            .iter()
+            .any(|want| c.contains(&want.to_lowercase()))
+    }
+
+    /// Checks that the settings can select anything: a window that ends before it starts, or a
+    /// shard index out of range, is a mistake to report rather than an empty replay.
+    pub fn check(&self) -> Result<()> {
+        if let (Some(a), Some(b)) = (self.since_us, self.until_us) {
+            if b <= a {
+                return Err(Error::Setting {
+                    name: "until",
+                    message: format!(
+                        "the window [{a} µs, {b} µs) is empty: --until must be after --since"
+                    ),
+                });
+            }
+        }
+        if let Some(sh) = self.shard {
+            Shard::new(sh.index, sh.count)?;
+        }
+        Ok(())
+    }
+
     /// Applies the filter; the relative order of kept sessions is preserved.
     pub fn apply(&self, sessions: Vec<Session>) -> Vec<Session> {
-        let mut kept: Vec<Session> = sessions
-            .into_iter()
-            .filter(|s| self.ids.is_empty() || self.ids.contains(&s.id))
-            .filter(|s| s.turns.len() >= self.min_turns)
-            .collect();
+        let mut kept: Vec<Session> = sessions.into_iter().filter(|s| self.keeps(s)).collect();
         if let Some(n) = self.sample {
             if n < kept.len() {
                 let mut idx: Vec<usize> = (0..kept.len()).collect();
@@ -253,8 +329,183 @@ impl SessionFilter {
                 kept = chosen.into_iter().filter_map(|i| all[i].take()).collect();
             }
         }
+        if let Some(sh) = self.shard {
+            kept.retain(|s| sh.contains(&s.id));
+        }
         kept
     }
+}
+
+/// One part of a replay split across machines: shard `index` of `count` (`--shard i/n`, 0-based).
+///
+/// A session belongs to the shard its ID hashes to, so the split depends only on the IDs — not
+/// on load order, the database, or which machine loads first — and every machine computes the
+/// same partition without coordinating.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Shard {
+    /// This shard, `0..count`.
+    pub index: u32,
+    /// Number of shards (at least 1).
+    pub count: u32,
+}
+
+impl Shard {
+    /// A validated shard: `count ≥ 1` and `index < count`.
+    pub fn new(index: u32, count: u32) -> Result<Shard> {
+        if count == 0 || index >= count {
+            return Err(Error::Setting {
+                name: "shard",
+                message: format!("{index}/{count}: need 0 <= i < n (0-based shard i of n)"),
+            });
+        }
+        Ok(Shard { index, count })
+    }
+
+    /// The shard a session ID belongs to among `count`: the first 8 bytes of SHA-256 of the ID
+    /// (big-endian) modulo `count`. SHA-256 rather than a std hasher because the value must be
+    /// identical across machines, builds and Rust versions.
+    pub fn of(id: &str, count: u32) -> u32 {
+        let digest = Sha256::digest(id.as_bytes());
+        let mut head = [0u8; 8];
+        head.copy_from_slice(&digest[..8]);
+        (u64::from_be_bytes(head) % u64::from(count.max(1))) as u32
+    }
+
+    /// Whether session `id` belongs to this shard.
+    pub fn contains(&self, id: &str) -> bool {
+        Shard::of(id, self.count) == self.index
+    }
+}
+
+impl std::fmt::Display for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
+}
+
+impl std::str::FromStr for Shard {
+    type Err = Error;
+
+    /// Parses `i/n` (0-based: `0/4` … `3/4`).
+    fn from_str(s: &str) -> Result<Shard> {
+        let bad = || Error::Setting {
+            name: "shard",
+            message: format!("{s:?} is not i/n (e.g. 0/4; shards are numbered from 0)"),
+        };
+        let (i, n) = s.trim().split_once('/').ok_or_else(bad)?;
+        let i: u32 = i.trim().parse().map_err(|_| bad())?;
+        let n: u32 = n.trim().parse().map_err(|_| bad())?;
+        Shard::new(i, n)
+    }
+}
+
+/// Parses a point in time for `--since`/`--until`: Unix seconds (`1764720000`, fractions allowed)
+/// or RFC 3339 (`2026-12-03T10:00:00Z`, `2026-12-03T10:00:00.5+01:00`; a bare date
+/// `2026-12-03` means its midnight UTC). Returns µs since the Unix epoch, the unit recordings use.
+pub fn parse_time(text: &str) -> Result<i64> {
+    let s = text.trim();
+    let bad = |why: &str| Error::Setting {
+        name: "time",
+        message: format!(
+            "{text:?}: {why} (expected Unix seconds or RFC 3339, e.g. 2026-12-03T10:00:00Z)"
+        ),
+    };
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_digit() || c == '.' || c == '-')
+        && !s[1..].contains('-')
+    {
+        let secs: f64 = s.parse().map_err(|_| bad("not a number"))?;
+        if !secs.is_finite() || secs.abs() > 1e13 {
+            return Err(bad("out of range"));
+        }
+        return Ok((secs * 1e6).round() as i64);
+    }
+    let b = s.as_bytes();
+    let num = |r: std::ops::Range<usize>| -> Result<i64> {
+        let part = s.get(r).ok_or_else(|| bad("truncated"))?;
+        if part.is_empty() || !part.bytes().all(|c| c.is_ascii_digit()) {
+            return Err(bad("a date or time field is not a number"));
+        }
+        part.parse()
+            .map_err(|_| bad("a date or time field is not a number"))
+    };
+    if b.len() < 10 || b[4] != b'-' || b[7] != b'-' {
+        return Err(bad("not a date"));
+    }
+    let (year, month, day) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    if !(1..=12).contains(&month) || day < 1 || day > days_in_month(year, month) {
+        return Err(bad("no such date"));
+    }
+    let mut us = days_from_civil(year, month, day) * 86_400 * 1_000_000;
+    if b.len() == 10 {
+        return Ok(us);
+    }
+    if !matches!(b[10], b'T' | b't' | b' ') || b.len() < 19 || b[13] != b':' || b[16] != b':' {
+        return Err(bad("not a time of day (HH:MM:SS)"));
+    }
+    let (h, m, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    // 60 is a leap second, which Unix time folds into the next second.
+    if h > 23 || m > 59 || sec > 60 {
+        return Err(bad("no such time of day"));
+    }
+    us += ((h * 60 + m) * 60 + sec) * 1_000_000;
+    let mut k = 19;
+    if b.get(k) == Some(&b'.') {
+        let start = k + 1;
+        k = start;
+        while b.get(k).is_some_and(u8::is_ascii_digit) {
+            k += 1;
+        }
+        if k == start {
+            return Err(bad("empty fraction of a second"));
+        }
+        // Microsecond resolution: digits past the sixth are dropped.
+        let digits = &s[start..k.min(start + 6)];
+        let frac: i64 = digits.parse().map_err(|_| bad("bad fraction"))?;
+        us += frac * 10i64.pow(6 - digits.len() as u32);
+    }
+    let offset_min = match b.get(k) {
+        Some(b'Z' | b'z') if k + 1 == b.len() => 0,
+        Some(&sign @ (b'+' | b'-')) if k + 6 == b.len() && b[k + 3] == b':' => {
+            let (oh, om) = (num(k + 1..k + 3)?, num(k + 4..k + 6)?);
+            if oh > 23 || om > 59 {
+                return Err(bad("no such UTC offset"));
+            }
+            let o = oh * 60 + om;
+            if sign == b'+' {
+                o
+            } else {
+                -o
+            }
+        }
+        _ => return Err(bad("needs a UTC offset (Z or ±HH:MM)")),
+    };
+    Ok(us - offset_min * 60 * 1_000_000)
+}
+
+fn is_leap(y: i64) -> bool {
+    (y % 4 == 0 && y % 100 != 0) || y % 400 == 0
+}
+
+fn days_in_month(y: i64, m: i64) -> i64 {
+    match m {
+        2 if is_leap(y) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's `days_from_civil`).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
 }
 
 /// Parses `tapedeck.session.v1` JSONL text (blank lines and lines starting with `#` are skipped).
@@ -285,6 +536,7 @@ pub fn parse_jsonl(text: &str, path: &Path) -> Result<Vec<Session>> {
 
 /// Reads a `tapedeck.session.v1` JSONL file and applies `filter`.
 pub fn load_jsonl(path: &Path, filter: &SessionFilter) -> Result<Vec<Session>> {
+    filter.check()?;
     let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
         path: path.to_path_buf(),
         source,
@@ -301,7 +553,22 @@ pub fn session_from_line(line: &SessionLine) -> std::result::Result<Session, Str
             turns.push(t);
         }
     }
-    Ok(Session::new(line.session.id.clone(), turns))
+    let client = line
+        .session
+        .client_hint
+        .clone()
+        .or_else(|| line.requests.iter().find_map(|r| user_agent(&r.headers)));
+    Ok(Session::new(line.session.id.clone(), turns).with_client(client))
+}
+
+/// The `user-agent` of a recorded header map (the recorder stores names lower-cased).
+fn user_agent(headers: &serde_json::Map<String, Value>) -> Option<String> {
+    headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("user-agent"))
+        .and_then(|(_, v)| v.as_str())
+        .map(str::to_string)
+        .filter(|v| !v.is_empty())
 }
 
 /// Converts one exported request; `Ok(None)` when it is not a replayable chat turn.
@@ -427,6 +694,7 @@ pub fn turn_from_record(rec: &RequestRecord) -> Option<Turn> {
 /// `filter`. Requests that are not replayable chat turns are skipped; sessions left empty are
 /// dropped. The file is opened with the recorder's migrations (an older database is upgraded).
 pub async fn load_db(path: &Path, filter: &SessionFilter) -> Result<Vec<Session>> {
+    filter.check()?;
     let store = Store::open(path).await?;
     let summaries = store.sessions().await?;
     let mut sessions = Vec::new();
@@ -434,10 +702,19 @@ pub async fn load_db(path: &Path, filter: &SessionFilter) -> Result<Vec<Session>
         if !filter.ids.is_empty() && !filter.ids.contains(&s.id) {
             continue;
         }
+        // Without a sample the shard can be cut before reading requests (a sample must be drawn
+        // from the whole selection first, so every shard sees the same sample).
+        if filter.sample.is_none() && filter.shard.is_some_and(|sh| !sh.contains(&s.id)) {
+            continue;
+        }
         let records = store.session_requests(&s.id).await?;
         let turns: Vec<Turn> = records.iter().filter_map(turn_from_record).collect();
         if !turns.is_empty() {
-            sessions.push(Session::new(s.id.clone(), turns));
+            let client = s
+                .client_hint
+                .clone()
+                .or_else(|| records.iter().find_map(|r| user_agent(&r.headers)));
+            sessions.push(Session::new(s.id.clone(), turns).with_client(client));
         }
     }
     store.close().await;
@@ -560,6 +837,216 @@ mod tests {
         let a = f.apply(all.clone());
         assert_eq!(a.len(), 4);
         assert_eq!(a, f.apply(all), "a seeded sample is reproducible");
+    }
+
+    /// `session(id, turns)` recorded from `start_us` (turns 1 s apart) by `client`.
+    fn timed(id: &str, start_us: Option<i64>, client: Option<&str>) -> Session {
+        let mut s = session(id, 2).with_client(client.map(str::to_string));
+        for (k, t) in s.turns.iter_mut().enumerate() {
+            t.arrival_us = start_us.map(|a| a + 1_000_000 * k as i64);
+        }
+        s
+    }
+
+    fn ids(v: Vec<Session>) -> Vec<String> {
+        v.into_iter().map(|s| s.id).collect()
+    }
+
+    #[test]
+    fn filter_time_window_is_half_open_on_the_session_start() {
+        let t0 = 1_764_720_000_000_000; // 2025-12-03T00:00:00Z
+        let all = vec![
+            timed("early", Some(t0 - 1), None),
+            timed("at-since", Some(t0), None),
+            timed("inside", Some(t0 + 5_000_000), None),
+            timed("at-until", Some(t0 + 10_000_000), None),
+            timed("untimed", None, None),
+        ];
+        let f = SessionFilter {
+            since_us: Some(t0),
+            until_us: Some(t0 + 10_000_000),
+            ..Default::default()
+        };
+        assert_eq!(ids(f.apply(all.clone())), ["at-since", "inside"]);
+        // A session that started before the window but ran into it is not in it: the start counts.
+        let f = SessionFilter {
+            since_us: Some(t0 + 500_000),
+            ..Default::default()
+        };
+        assert_eq!(ids(f.apply(all.clone())), ["inside", "at-until"]);
+        let f = SessionFilter {
+            until_us: Some(t0),
+            ..Default::default()
+        };
+        assert_eq!(
+            ids(f.apply(all.clone())),
+            ["early"],
+            "no bounds → untimed kept; bounds → dropped"
+        );
+        assert_eq!(SessionFilter::default().apply(all).len(), 5);
+        let empty = SessionFilter {
+            since_us: Some(t0),
+            until_us: Some(t0),
+            ..Default::default()
+        };
+        assert!(empty.check().unwrap_err().to_string().contains("--until"));
+    }
+
+    #[test]
+    fn filter_client_substring_ignoring_case() {
+        let all = vec![
+            timed("oc", Some(1), Some("opencode/1.18.33 ai-sdk/5.0")),
+            timed("py", Some(2), Some("OpenAI/Python 3.57.0")),
+            timed("anon", Some(3), None),
+        ];
+        let by = |c: &[&str]| SessionFilter {
+            clients: c.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        };
+        assert_eq!(ids(by(&["OpenCode"]).apply(all.clone())), ["oc"]);
+        assert_eq!(ids(by(&["python"]).apply(all.clone())), ["py"]);
+        assert_eq!(
+            ids(by(&["python", "opencode"]).apply(all.clone())),
+            ["oc", "py"]
+        );
+        assert!(by(&["curl"]).apply(all.clone()).is_empty());
+        assert_eq!(by(&[]).apply(all).len(), 3);
+    }
+
+    #[test]
+    fn filters_combine_and_the_shard_is_cut_after_the_sample() {
+        let all: Vec<Session> = (0..60)
+            .map(|i| {
+                timed(
+                    &format!("s{i}"),
+                    Some(i),
+                    Some(if i % 2 == 0 { "a" } else { "b" }),
+                )
+            })
+            .collect();
+        let base = SessionFilter {
+            since_us: Some(10),
+            clients: vec!["a".into()],
+            sample: Some(12),
+            seed: 3,
+            ..Default::default()
+        };
+        let whole = ids(base.apply(all.clone()));
+        assert_eq!(whole.len(), 12);
+        let mut parts: Vec<String> = Vec::new();
+        for i in 0..3 {
+            let f = SessionFilter {
+                shard: Some(Shard::new(i, 3).unwrap()),
+                ..base.clone()
+            };
+            let part = ids(f.apply(all.clone()));
+            assert!(part.iter().all(|id| Shard::of(id, 3) == i));
+            parts.extend(part);
+        }
+        parts.sort();
+        let mut sorted = whole.clone();
+        sorted.sort();
+        assert_eq!(
+            parts, sorted,
+            "the shards of a sample partition that sample"
+        );
+    }
+
+    #[test]
+    fn shard_hash_is_stable_and_spreads() {
+        // Pinned values (computed with Python's hashlib): the split must not change between
+        // builds, machines or Rust versions, or shards cut by two builds would overlap.
+        let of = |n: u32| -> Vec<u32> {
+            ["s0", "s1", "session-42", ""]
+                .iter()
+                .map(|id| Shard::of(id, n))
+                .collect()
+        };
+        assert_eq!(of(4), [3, 3, 1, 0]);
+        assert_eq!(of(3), [2, 0, 1, 1]);
+        // SHA-256("") starts e3b0c442 98fc1c14.
+        assert_eq!(Shard::of("", 7), (0xe3b0_c442_98fc_1c14u64 % 7) as u32);
+        assert_eq!(Shard::of("anything", 1), 0);
+        let mut counts = [0usize; 4];
+        for i in 0..4000 {
+            counts[Shard::of(&format!("sess-{i}"), 4) as usize] += 1;
+        }
+        // Binomial(4000, 1/4): sd ≈ 27; 800..1200 is more than 7 sd either side.
+        assert!(
+            counts.iter().all(|&c| (800..1200).contains(&c)),
+            "{counts:?}"
+        );
+        assert_eq!(
+            "2/4".parse::<Shard>().unwrap(),
+            Shard { index: 2, count: 4 }
+        );
+        assert_eq!(Shard::new(2, 4).unwrap().to_string(), "2/4");
+        for bad in ["4/4", "1/0", "x/2", "3", "-1/2"] {
+            assert!(bad.parse::<Shard>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn times_in_unix_seconds_and_rfc3339() {
+        assert_eq!(parse_time("1764720000").unwrap(), 1_764_720_000_000_000);
+        assert_eq!(parse_time("1764720000.25").unwrap(), 1_764_720_000_250_000);
+        assert_eq!(parse_time("1970-01-01T00:00:00Z").unwrap(), 0);
+        assert_eq!(
+            parse_time("2025-12-03T00:00:00Z").unwrap(),
+            1_764_720_000_000_000
+        );
+        assert_eq!(parse_time("2025-12-03").unwrap(), 1_764_720_000_000_000);
+        // 2024-02-29 exists (leap year); +01:30 is 90 minutes ahead of UTC.
+        assert_eq!(
+            parse_time("2024-02-29T12:00:00.123456789+01:30").unwrap(),
+            parse_time("2024-02-29T10:30:00Z").unwrap() + 123_456
+        );
+        assert_eq!(
+            parse_time("2000-03-01t00:00:00.5-00:30").unwrap(),
+            parse_time("2000-03-01 00:30:00.500z").unwrap()
+        );
+        assert_eq!(parse_time("1969-12-31T23:59:59Z").unwrap(), -1_000_000);
+        for bad in [
+            "",
+            "yesterday",
+            "2023-02-29T00:00:00Z",
+            "2025-13-01T00:00:00Z",
+            "2025-12-03T24:00:00Z",
+            "2025-12-03T10:00:00",
+            "2025-12-03T10:00Z",
+            "2025-12-03T10:00:00.Z",
+            "2025-12-03T10:00:00+0100",
+        ] {
+            let e = parse_time(bad).unwrap_err().to_string();
+            assert!(e.contains("RFC 3339"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn client_identity_from_the_session_hint_or_a_user_agent_header() {
+        let p = Path::new("s.jsonl");
+        let req = serde_json::json!({"messages": [{"role": "user", "content": "hi"}]});
+        let mut with_header = req.clone();
+        with_header["headers"] = serde_json::json!({"user-agent": "curl/8.5"});
+        let lines = [
+            serde_json::json!({"format": SESSION_FORMAT,
+                "session": {"id": "hinted", "client_hint": "opencode/1.18"},
+                "requests": [with_header.clone()]}),
+            serde_json::json!({"format": SESSION_FORMAT,
+                "session": {"id": "header"}, "requests": [req.clone(), with_header]}),
+            serde_json::json!({"format": SESSION_FORMAT,
+                "session": {"id": "old"}, "requests": [req]}),
+        ];
+        let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        let s = parse_jsonl(&text, p).unwrap();
+        let clients: Vec<Option<&str>> = s.iter().map(|s| s.client.as_deref()).collect();
+        assert_eq!(clients, [Some("opencode/1.18"), Some("curl/8.5"), None]);
+        // The replayer's own serialization keeps it, and reads sessions written without it.
+        let json = serde_json::to_value(&s[0]).unwrap();
+        assert_eq!(json["client"], "opencode/1.18");
+        let old: Session =
+            serde_json::from_value(serde_json::json!({"id": "x", "turns": []})).unwrap();
+        assert_eq!(old.client, None);
     }
 
     #[test]

@@ -62,9 +62,17 @@ async fn record_sessions(base: &str) {
     let client = reqwest::Client::new();
     let tools = json!([{"type": "function", "function": {"name": "grep",
         "parameters": {"type": "object", "properties": {"pattern": {"type": "string"}}}}}]);
-    for (sid, questions) in [
-        ("h-1", ["Where is the scheduler?", "And the KV cache?"]),
-        ("h-2", ["Name a fast tokenizer.", "Why is it fast?"]),
+    for (sid, agent, questions) in [
+        (
+            "h-1",
+            "opencode/1.18.33 ai-sdk/5",
+            ["Where is the scheduler?", "And the KV cache?"],
+        ),
+        (
+            "h-2",
+            "OpenAI/Python 3.57.0",
+            ["Name a fast tokenizer.", "Why is it fast?"],
+        ),
     ] {
         let mut messages = vec![json!({"role": "system", "content": "Be brief."})];
         for q in questions {
@@ -72,6 +80,7 @@ async fn record_sessions(base: &str) {
             let resp: Value = client
                 .post(format!("{base}/v1/chat/completions"))
                 .header("x-session-id", sid)
+                .header("user-agent", agent)
                 .json(&json!({"messages": messages, "tools": tools,
                               "temperature": 0, "max_tokens": 6}))
                 .send()
@@ -109,6 +118,70 @@ async fn record_over_http_then_replay_from_the_database() {
     .await
     .unwrap();
     assert_eq!(sessions.len(), 2);
+    // The recorder's client identity reaches the sessions and the client, time and shard filters
+    // work on a database as on JSONL.
+    let mut clients: Vec<(String, Option<String>)> = sessions
+        .iter()
+        .map(|s| (s.id.clone(), s.client.clone()))
+        .collect();
+    clients.sort();
+    assert_eq!(
+        clients,
+        [
+            (
+                "h-1".to_string(),
+                Some("opencode/1.18.33 ai-sdk/5".to_string())
+            ),
+            ("h-2".to_string(), Some("OpenAI/Python 3.57.0".to_string()))
+        ]
+    );
+    let only = |f: SessionFilter| {
+        let db = db.clone();
+        async move {
+            let ids: Vec<String> = load_db(&db, &f)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|s| s.id)
+                .collect();
+            ids
+        }
+    };
+    assert_eq!(
+        only(SessionFilter {
+            clients: vec!["python".into()],
+            ..SessionFilter::default()
+        })
+        .await,
+        ["h-2"]
+    );
+    let first = sessions
+        .iter()
+        .filter_map(|s| s.first_arrival_us())
+        .min()
+        .unwrap();
+    assert!(only(SessionFilter {
+        until_us: Some(first),
+        ..SessionFilter::default()
+    })
+    .await
+    .is_empty());
+    let mut by_shard: Vec<String> = Vec::new();
+    for i in 0..2 {
+        by_shard.extend(
+            only(SessionFilter {
+                shard: Some(tapedeck_replayer::Shard::new(i, 2).unwrap()),
+                ..SessionFilter::default()
+            })
+            .await,
+        );
+    }
+    by_shard.sort();
+    assert_eq!(
+        by_shard,
+        ["h-1", "h-2"],
+        "two shards partition the sessions"
+    );
     let rec = sessions[0].turns[1].recorded.as_ref().unwrap();
     assert!(rec.prompt_ids.is_some() && rec.output_ids.is_some());
     assert_eq!(rec.summaries.len(), rec.output_ids.as_ref().unwrap().len());

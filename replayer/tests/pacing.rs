@@ -12,7 +12,9 @@ use tapedeck_engine::{ChatMessage, LogitsSummary};
 use tapedeck_replayer::run::recorded_offsets;
 use tapedeck_replayer::session::{ChatRequest, Probe};
 use tapedeck_replayer::target::{Clock, GenOptions, TargetInfo, TurnOutput};
-use tapedeck_replayer::{replay, HistoryMode, Pacing, ReplayConfig, Session, Target, Turn};
+use tapedeck_replayer::{
+    replay, HistoryMode, Pacing, ReplayConfig, Session, Target, ThinkTime, Turn,
+};
 use tokio::sync::watch;
 
 #[derive(Clone, Copy)]
@@ -199,6 +201,7 @@ fn open_loop_latency_counts_from_the_intended_send_time() {
         pacing: Pacing::Open {
             rate: 2000.0,
             seed: 1,
+            burstiness: 1.0,
         },
         ..ReplayConfig::default()
     };
@@ -379,5 +382,151 @@ async fn recorded_pacing_rejects_a_bad_speed() {
             .await
             .unwrap_err();
         assert!(err.to_string().contains("speed"), "{err}");
+    }
+}
+
+/// `session(id, turns)` recorded with each answer taking `answer_ms` and the next request
+/// arriving `think_ms` after it: the recorded think time is `think_ms` before every later turn.
+fn thinking_session(id: usize, turns: usize, answer_ms: i64, think_ms: i64) -> Session {
+    let mut s = session(id, turns);
+    let t0 = 1_700_000_000_000_000i64;
+    for (k, t) in s.turns.iter_mut().enumerate() {
+        t.arrival_us = Some(t0 + 1000 * (answer_ms + think_ms) * k as i64);
+        t.recorded = Some(tapedeck_replayer::session::Recorded {
+            e2e_us: Some(1000 * answer_ms as u64),
+            ..Default::default()
+        });
+    }
+    s
+}
+
+/// Gaps between consecutive sends of each session's turns (by the `s{id}t0` first message).
+fn send_gaps(target: &Scripted, ids: usize) -> Vec<Vec<Duration>> {
+    let sends = target.sends.lock().unwrap();
+    (0..ids)
+        .map(|i| {
+            let mine: Vec<Instant> = sends
+                .iter()
+                .filter(|(m, _)| *m == format!("s{i}t0"))
+                .map(|(_, t)| *t)
+                .collect();
+            mine.windows(2).map(|w| w[1] - w[0]).collect()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn think_time_paces_turns_in_closed_and_open_loop() {
+    // Recorded: answers took 40 ms and the user thought 60 ms before each next turn. The
+    // scripted target answers at once, so every gap between two sends is the think time plus
+    // scheduling noise: only lower bounds are asserted.
+    let cases = [
+        (ThinkTime::Recorded, None, 60),
+        (ThinkTime::Scaled { factor: 0.5 }, None, 30),
+        (
+            ThinkTime::Scaled { factor: 4.0 },
+            Some(Duration::from_millis(100)),
+            100,
+        ),
+    ];
+    for pacing in [
+        Pacing::Closed { concurrency: 2 },
+        Pacing::Open {
+            rate: 1000.0,
+            seed: 3,
+            burstiness: 0.5,
+        },
+    ] {
+        for (mode, max, floor_ms) in cases {
+            let target = Scripted::new(Behaviour::AsyncDelay(Duration::ZERO));
+            let sessions: Vec<Session> = (0..2).map(|i| thinking_session(i, 3, 40, 60)).collect();
+            let cfg = ReplayConfig {
+                pacing,
+                think_time: mode,
+                max_think_time: max,
+                ..ReplayConfig::default()
+            };
+            let (_tx, rx) = watch::channel(false);
+            let run = replay(sessions, target.clone(), &cfg, rx).await.unwrap();
+            assert_eq!(run.speed.completed, 6);
+            assert_eq!(run.settings.think_time, mode);
+            for gaps in send_gaps(&target, 2) {
+                assert_eq!(gaps.len(), 2);
+                for g in gaps {
+                    assert!(
+                        g >= Duration::from_millis(floor_ms),
+                        "{pacing:?} {mode}: gap {g:?} < {floor_ms} ms"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn think_time_cap_bounds_long_recorded_pauses() {
+    // Recorded pauses of an hour, capped at 50 ms: the run ends quickly, each gap at least 50 ms.
+    let target = Scripted::new(Behaviour::AsyncDelay(Duration::ZERO));
+    let sessions = vec![thinking_session(0, 3, 10, 3_600_000)];
+    let cfg = ReplayConfig {
+        think_time: ThinkTime::Recorded,
+        max_think_time: Some(Duration::from_millis(50)),
+        ..ReplayConfig::default()
+    };
+    let (_tx, rx) = watch::channel(false);
+    let run = tokio::time::timeout(
+        Duration::from_secs(30),
+        replay(sessions, target.clone(), &cfg, rx),
+    )
+    .await
+    .expect("the cap applies")
+    .unwrap();
+    assert_eq!(run.speed.completed, 3);
+    assert!(send_gaps(&target, 1)[0]
+        .iter()
+        .all(|g| *g >= Duration::from_millis(50)));
+    assert_eq!(run.settings.max_think_time_ms, Some(50.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancellation_interrupts_a_think_time() {
+    // An hour's pause after the first turn; cancelling during it ends the run at once.
+    let target = Scripted::new(Behaviour::AsyncDelay(Duration::ZERO));
+    let (tx, rx) = watch::channel(false);
+    let tx = Arc::new(tx);
+    let tx2 = tx.clone();
+    let cfg = ReplayConfig {
+        think_time: ThinkTime::Recorded,
+        progress: Some(Arc::new(move |_row| {
+            let _ = tx2.send(true);
+        })),
+        ..ReplayConfig::default()
+    };
+    let sessions = vec![thinking_session(0, 3, 10, 3_600_000)];
+    let run = tokio::time::timeout(Duration::from_secs(30), replay(sessions, target, &cfg, rx))
+        .await
+        .expect("cancellation ends the pause")
+        .unwrap();
+    assert!(run.cancelled);
+    assert_eq!(run.speed.completed, 1);
+}
+
+#[tokio::test]
+async fn open_loop_rejects_a_bad_burstiness() {
+    for burstiness in [0.0, -1.0, f64::NAN] {
+        let cfg = ReplayConfig {
+            pacing: Pacing::Open {
+                rate: 1.0,
+                seed: 0,
+                burstiness,
+            },
+            ..ReplayConfig::default()
+        };
+        let (_tx, rx) = watch::channel(false);
+        let target = Scripted::new(Behaviour::AsyncDelay(Duration::ZERO));
+        let err = replay(vec![session(0, 1)], target, &cfg, rx)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("burstiness"), "{err}");
     }
 }

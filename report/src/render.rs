@@ -10,7 +10,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 use tapedeck_replayer::metrics::LatencySummary;
-use tapedeck_replayer::report::{Pacing, RunSummary};
+use tapedeck_replayer::report::{Pacing, RunSummary, ThinkTime};
 
 use crate::error::{Error, Result};
 use crate::plots;
@@ -432,13 +432,33 @@ fn header_lines(run: &RunSummary) -> Vec<(String, String)> {
     }
     let pacing = match run.settings.pacing {
         Pacing::Closed { concurrency } => format!("closed loop, concurrency {concurrency}"),
-        Pacing::Open { rate, seed } => format!("open loop, {rate} sessions/s (seed {seed})"),
+        Pacing::Open {
+            rate,
+            seed,
+            burstiness,
+        } if burstiness != 1.0 => {
+            format!("open loop, {rate} sessions/s, burstiness {burstiness} (seed {seed})")
+        }
+        Pacing::Open { rate, seed, .. } => format!("open loop, {rate} sessions/s (seed {seed})"),
         Pacing::Recorded { speed } => format!("recorded timing, speed ×{speed}"),
     };
+    let mut extra = String::new();
+    if run.settings.think_time != ThinkTime::None {
+        extra.push_str(&format!("; think time {}", run.settings.think_time));
+        if let Some(ms) = run.settings.max_think_time_ms {
+            extra.push_str(&format!(" (at most {ms} ms)"));
+        }
+    }
+    if let Some(sh) = run.settings.shard {
+        extra.push_str(&format!("; shard {sh}"));
+    }
+    if !run.merged_from.is_empty() {
+        extra.push_str(&format!("; merged from {} runs", run.merged_from.len()));
+    }
     v.push((
         "settings".into(),
         format!(
-            "{pacing}; history {:?}; teacher forcing {}",
+            "{pacing}; history {:?}; teacher forcing {}{extra}",
             run.settings.history,
             if run.settings.teacher_forcing {
                 "on"

@@ -178,6 +178,7 @@ pub fn run(spec: &str, toggles: &str, sessions: &[(String, Vec<TurnSpec>)]) -> R
         speed,
         fidelity: fid,
         sessions: rows,
+        merged_from: Vec::new(),
     }
 }
 
