@@ -200,8 +200,16 @@ mod tests {
     fn every_entry_point_is_in_its_source() {
         for src in ALL {
             for e in src.entry_points {
-                let decl = format!("__global__ void {e}(");
-                assert!(src.code.contains(&decl), "{} lacks {decl}", src.name);
+                // `extern "C" __global__ void [__launch_bounds__(..)] NAME(` on one or two lines.
+                let at = src
+                    .code
+                    .match_indices(&format!("{e}("))
+                    .map(|(i, _)| i)
+                    .find(|&i| {
+                        let before = &src.code[i.saturating_sub(120)..i];
+                        before.contains("extern \"C\" __global__")
+                    });
+                assert!(at.is_some(), "{} lacks the entry point {e}", src.name);
             }
         }
     }
