@@ -41,10 +41,19 @@ for t in "$bin"/test-*; do
 done
 
 if [ -x "$bin/tapedeck" ]; then
-  echo "== tapedeck generate --device cuda"
-  "$bin/tapedeck" generate --device cuda --prompt "hello there" --max-tokens 16 2>&1 | tail -5
-  echo "== tapedeck bench engine --device cuda"
-  "$bin/tapedeck" bench engine --device cuda --model tiny-qwen2 --model llama-120m \
-    --concurrency 1,16,64 2>&1 | tee "$out/bench-engine-cuda.log"
+  td="$bin/tapedeck"
+  echo "== tapedeck generate --device cuda (greedy, against the CPU)"
+  for dev in cpu cuda; do
+    "$td" generate --device $dev --prompt "hello there" --max-tokens 16 2>&1 | tail -2
+  done
+  echo "== tapedeck bench engine --device cuda (fixture and llama-120m)"
+  timeout 240 "$td" bench engine --device cuda --model tiny-qwen2 --model llama-120m \
+    --concurrency 1,16,64 --turns 10 2>&1 | tee "$out/bench-engine-cuda.log"
+  for t in "" "matmul=bf16,attn_decode=mma-bf16"; do
+    echo "== llama-1b on cuda, toggles: ${t:-default}"
+    timeout ${LLAMA1B_TIMEOUT:-240} "$td" bench engine --device cuda --model llama-1b \
+      ${t:+--toggle ${t%%,*} --toggle ${t##*,}} --prompt-len 512 --gen 64 \
+      --concurrency 1,16,64 --turns 0 --kv-budget-mib 8192 2>&1 | tee -a "$out/bench-llama-1b.log"
+  done
 fi
 exit $status

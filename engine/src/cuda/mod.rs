@@ -427,6 +427,7 @@ struct Inner {
 /// The engine on one NVIDIA GPU.
 pub struct CudaBackend {
     cfg: Config,
+    context_len: usize,
     ordinal: usize,
     describe: String,
     ctx: Arc<CudaContext>,
@@ -495,6 +496,7 @@ impl CudaBackend {
         };
         Ok(CudaBackend {
             describe: format!("cuda:{ordinal} {name} (sm_{major}{minor})"),
+            context_len: model.context_len(),
             cfg,
             ordinal,
             ctx,
@@ -762,10 +764,7 @@ impl Backend for CudaBackend {
         toggles: &Toggles,
     ) -> Result<Vec<Vec<f32>>> {
         let cfg = &self.cfg;
-        let context_len = match cfg.sliding_window {
-            Some(w) => w.min(cfg.max_position_embeddings),
-            None => cfg.max_position_embeddings,
-        };
+        let context_len = self.context_len;
         let bs = pool.block_size();
         let where_ = batch_positions(cfg, context_len, bs, segs)?;
         let n = where_.len();
@@ -880,27 +879,20 @@ impl Backend for CudaBackend {
                 .i(hd)
                 .i(kv_mode)
                 .launch(s, &kn.kv_write, (n, nkv), hd.div_ceil(32) * 32)?;
-            let attention = |rows: u64, n_rows: usize, scores: u64, stride: usize, bf16: usize| {
-                Args::new()
-                    .p(att)
-                    .p(q)
-                    .p(kp)
-                    .p(vp)
-                    .p(mi(meta.tables))
+            // The arguments the SIMT attention kernels share: where each token's context is, and
+            // the head shapes.
+            let context = |a: Args, rows: u64| {
+                a.p(mi(meta.tables))
                     .i(meta.max_blocks)
                     .p(mi(meta.seg))
                     .p(mi(meta.ctx))
                     .p(mi(meta.hide))
                     .p(rows)
-                    .p(scores)
-                    .i(stride)
-                    .i(nh)
-                    .i(nkv)
-                    .i(hd)
-                    .i(bs)
-                    .f(scale)
-                    .i(bf16)
-                    .launch(s, &kn.attention, (n_rows, nh), 128)
+            };
+            let heads = |a: Args, bf16: usize| a.i(nh).i(nkv).i(hd).i(bs).f(scale).i(bf16);
+            let attention = |rows: u64, n_rows: usize, scores: u64, stride: usize, bf16: usize| {
+                let a = context(Args::new().p(att).p(q).p(kp).p(vp), rows);
+                heads(a.p(scores).i(stride), bf16).launch(s, &kn.attention, (n_rows, nh), 128)
             };
             attention(0, n, 0, 0, attn_bf16)?;
             // Decode steps recomputed by their own kernel settings: bf16 operands for
@@ -909,24 +901,8 @@ impl Backend for CudaBackend {
             let decode_bf16 = attn_bf16.max(usize::from(decode_mma));
             let (rows, nr) = (mi(meta.decode_rows), meta.n_decode_rows);
             if let (Some(top_k), true) = (topk, scores_ptr != 0) {
-                Args::new()
-                    .p(scores_ptr)
-                    .i(scores_stride)
-                    .p(q)
-                    .p(kp)
-                    .p(mi(meta.tables))
-                    .i(meta.max_blocks)
-                    .p(mi(meta.seg))
-                    .p(mi(meta.ctx))
-                    .p(mi(meta.hide))
-                    .p(rows)
-                    .i(nh)
-                    .i(nkv)
-                    .i(hd)
-                    .i(bs)
-                    .f(scale)
-                    .i(decode_bf16)
-                    .launch(s, &kn.attention_scores, (nr, nh), 128)?;
+                let a = context(Args::new().p(scores_ptr).i(scores_stride).p(q).p(kp), rows);
+                heads(a, decode_bf16).launch(s, &kn.attention_scores, (nr, nh), 128)?;
                 Args::new()
                     .p(scores_ptr)
                     .i(scores_stride)
