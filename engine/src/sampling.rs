@@ -12,22 +12,77 @@ use crate::generate::{LogitsSummary, SamplingParams};
 use crate::numerics::log_softmax;
 
 /// The log-probability of `chosen`, the `k` most likely tokens, and the entropy (nats) of the
-/// distribution `softmax(logits)`.
+/// distribution `softmax(logits)`, in f64.
+///
+/// One pass over the logits after the maximum: `lse = max + ln Σ e^(x-max)` and
+/// `entropy = lse - Σ e^(x-max)·x / Σ e^(x-max)` (the same as `-Σ p ln p`), with the sums taken
+/// in fixed chunks of [`SUMMARY_CHUNK`] combined in order, so the result does not depend on how
+/// many threads computed it. Large vocabularies (Llama 3's 128k) run the chunks in parallel: this
+/// runs once per generated token on the serving path.
 pub fn summarize(logits: &[f32], chosen: u32, k: usize) -> LogitsSummary {
-    let lp = log_softmax(logits);
-    let entropy = -lp
+    use rayon::prelude::*;
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    let sums = |c: &[f32]| {
+        c.iter().fold((0.0f64, 0.0f64), |(s0, s1), &v| {
+            let x = v as f64;
+            let e = (x - max).exp();
+            // exp(-inf) is 0; keep 0·(-inf) out of s1.
+            if e > 0.0 {
+                (s0 + e, s1 + e * x)
+            } else {
+                (s0, s1)
+            }
+        })
+    };
+    let parts: Vec<(f64, f64)> = if logits.len() >= 4 * SUMMARY_CHUNK {
+        logits.par_chunks(SUMMARY_CHUNK).map(sums).collect()
+    } else {
+        logits.chunks(SUMMARY_CHUNK).map(sums).collect()
+    };
+    let (s0, s1) = parts
         .iter()
-        .filter(|v| v.is_finite())
-        .map(|&v| v.exp() * v)
-        .sum::<f64>();
+        .fold((0.0, 0.0), |(a, b), &(c, d)| (a + c, b + d));
+    let lse = max + s0.ln();
+    let logprob = logits
+        .get(chosen as usize)
+        .map_or(f64::NEG_INFINITY, |&v| v as f64 - lse);
+    let top = top_k_f32(logits, k)
+        .into_iter()
+        .map(|(i, v)| (i, (v as f64 - lse) as f32))
+        .collect();
     LogitsSummary {
-        logprob: lp
-            .get(chosen as usize)
-            .copied()
-            .unwrap_or(f64::NEG_INFINITY) as f32,
-        top: top_k(&lp, k),
-        entropy: entropy as f32,
+        logprob: logprob as f32,
+        top,
+        entropy: (lse - s1 / s0) as f32,
     }
+}
+
+/// Logits per partial sum of [`summarize`].
+pub const SUMMARY_CHUNK: usize = 8192;
+
+/// The `k` largest logits as `(index, value)`, largest first, ties to the lower index (the same
+/// order as [`top_k`] over their log-probabilities, which are a shift of them).
+fn top_k_f32(values: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let k = k.min(values.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    // A bounded selection: one pass keeping the k best seen, sorted.
+    let better = |a: (usize, f32), b: (usize, f32)| match a.1.total_cmp(&b.1) {
+        std::cmp::Ordering::Greater => true,
+        std::cmp::Ordering::Equal => a.0 < b.0,
+        std::cmp::Ordering::Less => false,
+    };
+    let mut best: Vec<(usize, f32)> = Vec::with_capacity(k + 1);
+    for (i, &v) in values.iter().enumerate() {
+        if best.len() == k && !better((i, v), best[k - 1]) {
+            continue;
+        }
+        let at = best.partition_point(|&b| better(b, (i, v)));
+        best.insert(at, (i, v));
+        best.truncate(k);
+    }
+    best.into_iter().map(|(i, v)| (i as u32, v)).collect()
 }
 
 /// The `k` largest entries as `(index, value)`, largest first, ties to the lower index.
@@ -133,6 +188,33 @@ mod tests {
     fn random_logits(n: usize) -> Vec<f32> {
         let mut r = ChaCha8Rng::seed_from_u64(rand::random());
         (0..n).map(|_| r.random_range(-5.0..5.0)).collect()
+    }
+
+    #[test]
+    fn summary_of_a_large_vocabulary_matches_the_two_pass_reference() {
+        // The parallel chunked path (128k, Llama 3's vocabulary) against log_softmax in f64,
+        // with ties planted in the top.
+        let mut l = random_logits(128_256);
+        l[1000] = 50.0;
+        l[70_000] = 50.0;
+        l[5] = 49.0;
+        let s = summarize(&l, 70_000, 8);
+        let lp = crate::numerics::log_softmax(&l);
+        let entropy: f64 = -lp.iter().map(|&v| v.exp() * v).sum::<f64>();
+        assert!((s.logprob as f64 - lp[70_000]).abs() < 1e-6);
+        assert!((s.entropy as f64 - entropy).abs() < 1e-5 * entropy.max(1.0));
+        let want = top_k(&lp, 8);
+        assert_eq!(
+            s.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            want.iter().map(|t| t.0).collect::<Vec<_>>()
+        );
+        assert_eq!(s.top[0].0, 1000, "ties go to the lower index");
+        for (a, b) in s.top.iter().zip(&want) {
+            assert!((a.1 - b.1).abs() < 1e-6);
+        }
+        // Same answer from the sequential path on the same data.
+        let again = summarize(&l, 70_000, 8);
+        assert_eq!(s, again);
     }
 
     #[test]

@@ -10,6 +10,10 @@
 //! the logits of a whole model (measured far below). With bf16 operands (matmul, attention) the
 //! two backends round the same inputs but accumulate differently, and one bf16 rounding flip
 //! cascades through the layers: ≤ 2e-2 relative, i.e. the bf16 class of error (≤ 1e-2 per op).
+//! Quantized KV storage (bf16, FP8) is in the same class even with f32 arithmetic: a key that
+//! differs by 1e-7 between the backends can round to the neighbouring storage value, one bf16 ulp
+//! (2^-8 relative) or FP8 step (2^-3) away, so those toggles get the reduced-precision bound too
+//! (measured on the H200: 1e-3 for kv_dtype=bf16).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -162,8 +166,8 @@ fn cuda_matches_cpu_on_both_fixtures_under_every_numeric_toggle() {
         let mut r = rng();
         let cases: &[(&str, f64)] = &[
             ("", 1e-4),
-            ("kv_dtype=bf16", 1e-4),
-            ("kv_dtype=fp8-e4m3", 1e-4),
+            ("kv_dtype=bf16", 2e-2),
+            ("kv_dtype=fp8-e4m3", 5e-2),
             ("decode_topk=40", 1e-4),
             ("fault.chunk=boundary,prefill_chunk=50", 1e-4),
             ("matmul=bf16", 2e-2),
