@@ -522,6 +522,9 @@ struct Meta {
     /// Decode tokens (for the sparse top-k path and the bf16 decode kernel).
     decode_rows: usize,
     n_decode_rows: usize,
+    /// The rest, when there are decode rows (prefill tokens, for the plain kernel).
+    other_rows: usize,
+    n_other_rows: usize,
     /// Per decode row: its block table (`max_blocks` each) and context length.
     decode_tables: usize,
     decode_ctx: usize,
@@ -595,8 +598,24 @@ fn build_meta(
         );
     }
     let n_decode_rows = data.len() - decode_rows;
+    // The other rows, which the plain attention kernel serves when the decode rows have their
+    // own kernel.
+    let other_rows = data.len();
+    if n_decode_rows > 0 {
+        data.extend(
+            where_
+                .iter()
+                .enumerate()
+                .filter(|(_, &(si, _))| !segs[si].decode)
+                .map(|(t, _)| t as i32),
+        );
+    }
+    let n_other_rows = data.len() - other_rows;
     let decode_tables = data.len();
-    let dec: Vec<usize> = data[decode_rows..].iter().map(|&t| t as usize).collect();
+    let dec: Vec<usize> = data[decode_rows..decode_rows + n_decode_rows]
+        .iter()
+        .map(|&t| t as usize)
+        .collect();
     for &t in &dec {
         let s = &segs[where_[t].0];
         data.extend(s.table.blocks.iter().map(|&b| b as i32));
@@ -618,6 +637,8 @@ fn build_meta(
         n_logit_rows,
         decode_rows,
         n_decode_rows,
+        other_rows,
+        n_other_rows,
         decode_tables,
         decode_ctx,
     }
@@ -894,7 +915,11 @@ impl Backend for CudaBackend {
                 let a = context(Args::new().p(att).p(q).p(kp).p(vp), rows);
                 heads(a.p(scores).i(stride), bf16).launch(s, &kn.attention, (n_rows, nh), 128)
             };
-            attention(0, n, 0, 0, attn_bf16)?;
+            if meta.n_decode_rows == 0 {
+                attention(0, n, 0, 0, attn_bf16)?;
+            } else if meta.n_other_rows > 0 {
+                attention(mi(meta.other_rows), meta.n_other_rows, 0, 0, attn_bf16)?;
+            }
             // Decode steps recomputed by their own kernel settings: bf16 operands for
             // attn_decode=mma-bf16 (the SIMT kernel with the tensor-core kernel's roundings), and
             // the sparse top-k selection.
@@ -1117,6 +1142,7 @@ mod tests {
             &[0, 1, 2, 3]
         );
         assert_eq!(&d[m.decode_rows..m.decode_rows + m.n_decode_rows], &[3]);
+        assert_eq!(&d[m.other_rows..m.other_rows + m.n_other_rows], &[0, 1, 2]);
         assert_eq!(&d[m.decode_tables..m.decode_tables + 2], &[7, 0]);
         assert_eq!(d[m.decode_ctx], 4);
     }
