@@ -9,7 +9,6 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::generate::{LogitsSummary, SamplingParams};
-use crate::numerics::log_softmax;
 
 /// The log-probability of `chosen`, the `k` most likely tokens, and the entropy (nats) of the
 /// distribution `softmax(logits)`, in f64.
