@@ -581,8 +581,8 @@ impl Core {
                     .fetch_add(range.len() as u64, Ordering::Relaxed);
             }
             // Register blocks completed by this pass (decode-written blocks only when decode
-            // numerics equal prefill numerics, i.e. without the sparse decode indexer).
-            if s.req.toggles.prefix_cache && (!decode || s.req.toggles.decode_topk.is_none()) {
+            // numerics equal prefill numerics: no sparse indexer, no bf16 decode kernel).
+            if s.req.toggles.prefix_cache && (!decode || s.req.toggles.decode_matches_prefill()) {
                 let full = s.table.len / bs;
                 if full > s.keys.len() {
                     let new = block_keys(&s.tokens[..full * bs], bs, &s.kv_key);

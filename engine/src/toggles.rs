@@ -369,6 +369,13 @@ impl Toggles {
         t.to_string()
     }
 
+    /// True when a decode step computes exactly what a prefill of the same token would: no decode-
+    /// only kernel or selection is on. Only then may KV written by decode steps be shared through
+    /// the prefix cache with later prompts (which prefill those positions).
+    pub fn decode_matches_prefill(&self) -> bool {
+        self.decode_topk.is_none() && self.attn_decode == AttnDecode::SimtF32
+    }
+
     /// True when any `fault.*` toggle is on.
     pub fn has_fault(&self) -> bool {
         self.non_default()
@@ -467,6 +474,21 @@ mod tests {
         let e = "decode_topk=0".parse::<Toggles>().unwrap_err().to_string();
         assert!(e.contains("decode_topk"), "{e}");
         assert!("matmul".parse::<Toggles>().is_err());
+    }
+
+    #[test]
+    fn decode_only_toggles_break_decode_prefill_equality() {
+        assert!(Toggles::default().decode_matches_prefill());
+        assert!("matmul=bf16,kv_dtype=fp8-e4m3,prefill_chunk=8"
+            .parse::<Toggles>()
+            .unwrap()
+            .decode_matches_prefill());
+        for t in ["decode_topk=64", "attn_decode=mma-bf16"] {
+            assert!(
+                !t.parse::<Toggles>().unwrap().decode_matches_prefill(),
+                "{t}"
+            );
+        }
     }
 
     #[test]

@@ -327,3 +327,30 @@ fn scheduler_scoring_equals_engine_decode_scoring() {
         }
     }
 }
+
+#[test]
+fn decode_only_kernels_do_not_leak_decode_kv_into_later_prompts() {
+    // Regression: KV written by decode steps was shared through the prefix cache whenever the
+    // sparse indexer was off, but the bf16 decode kernel (attn_decode=mma-bf16) also makes decode
+    // numerics differ from prefill's. The next turn of a conversation, whose prompt holds the
+    // previous answer, then reused decode-computed KV where a cold run prefills it: a cache hit
+    // changed the numbers.
+    let e = engine(2);
+    let h = handle(e.clone());
+    let mut r = rng();
+    for toggles in ["attn_decode=mma-bf16", "decode_topk=8"] {
+        let p = prompt(&e, 64, &mut r);
+        let mut first = request(p.clone(), toggles);
+        first.stop.max_tokens = 20;
+        let answer = collect(h.submit(first).unwrap());
+        let mut next = p.clone();
+        next.extend(&answer.tokens);
+        next.extend(prompt(&e, 5, &mut r));
+        let warm = collect(h.submit(request(next.clone(), toggles)).unwrap());
+        let cold = collect(
+            h.submit(request(next, &format!("{toggles},prefix_cache=off")))
+                .unwrap(),
+        );
+        same(&cold, &warm).unwrap_or_else(|m| panic!("{toggles}: warm turn differs: {m}"));
+    }
+}
