@@ -45,9 +45,9 @@ pub fn summarize(logits: &[f32], chosen: u32, k: usize) -> LogitsSummary {
     let logprob = logits
         .get(chosen as usize)
         .map_or(f64::NEG_INFINITY, |&v| v as f64 - lse);
-    let top = top_k_f32(logits, k)
+    let top = top_indices(logits, k, f32::total_cmp)
         .into_iter()
-        .map(|(i, v)| (i, (v as f64 - lse) as f32))
+        .map(|i| (i as u32, (logits[i] as f64 - lse) as f32))
         .collect();
     LogitsSummary {
         logprob: logprob as f32,
@@ -59,47 +59,41 @@ pub fn summarize(logits: &[f32], chosen: u32, k: usize) -> LogitsSummary {
 /// Logits per partial sum of [`summarize`].
 pub const SUMMARY_CHUNK: usize = 8192;
 
-/// The `k` largest logits as `(index, value)`, largest first, ties to the lower index (the same
-/// order as [`top_k`] over their log-probabilities, which are a shift of them).
-fn top_k_f32(values: &[f32], k: usize) -> Vec<(u32, f32)> {
-    let k = k.min(values.len());
-    if k == 0 {
-        return Vec::new();
-    }
-    // A bounded selection: one pass keeping the k best seen, sorted.
-    let better = |a: (usize, f32), b: (usize, f32)| match a.1.total_cmp(&b.1) {
-        std::cmp::Ordering::Greater => true,
-        std::cmp::Ordering::Equal => a.0 < b.0,
-        std::cmp::Ordering::Less => false,
-    };
-    let mut best: Vec<(usize, f32)> = Vec::with_capacity(k + 1);
-    for (i, &v) in values.iter().enumerate() {
-        if best.len() == k && !better((i, v), best[k - 1]) {
-            continue;
-        }
-        let at = best.partition_point(|&b| better(b, (i, v)));
-        best.insert(at, (i, v));
-        best.truncate(k);
-    }
-    best.into_iter().map(|(i, v)| (i as u32, v)).collect()
-}
-
 /// The `k` largest entries as `(index, value)`, largest first, ties to the lower index.
 pub fn top_k(values: &[f64], k: usize) -> Vec<(u32, f32)> {
+    top_indices(values, k, f64::total_cmp)
+        .into_iter()
+        .map(|i| (i as u32, values[i] as f32))
+        .collect()
+}
+
+/// Indices of the `k` largest values under `cmp`, largest first, ties to the lower index: one
+/// pass keeping the best `k` seen in order, with no allocation beyond them (`k` is a handful, a
+/// vocabulary 10⁵; this runs for every generated token).
+fn top_indices<T>(
+    values: &[T],
+    k: usize,
+    cmp: impl Fn(&T, &T) -> std::cmp::Ordering,
+) -> Vec<usize> {
     let k = k.min(values.len());
     if k == 0 {
         return Vec::new();
     }
-    let cmp = |a: &usize, b: &usize| values[*b].total_cmp(&values[*a]).then(a.cmp(b));
-    let mut idx: Vec<usize> = (0..values.len()).collect();
-    if k < idx.len() {
-        idx.select_nth_unstable_by(k - 1, cmp);
-        idx.truncate(k);
+    let better = |a: usize, b: usize| match cmp(&values[a], &values[b]) {
+        std::cmp::Ordering::Greater => true,
+        std::cmp::Ordering::Equal => a < b,
+        std::cmp::Ordering::Less => false,
+    };
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    for i in 0..values.len() {
+        if best.len() == k && !better(i, best[k - 1]) {
+            continue;
+        }
+        let at = best.partition_point(|&b| better(b, i));
+        best.insert(at, i);
+        best.truncate(k);
     }
-    idx.sort_unstable_by(cmp);
-    idx.into_iter()
-        .map(|i| (i as u32, values[i] as f32))
-        .collect()
+    best
 }
 
 /// The index of the largest logit, ties to the lower index.

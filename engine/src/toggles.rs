@@ -369,6 +369,12 @@ impl Toggles {
         t.to_string()
     }
 
+    /// Whether attention rounds its operands to bf16: everywhere with `attn_scores=bf16`, in
+    /// decode steps with the bf16 tensor-core decode kernel (`attn_decode=mma-bf16`).
+    pub fn attention_bf16(&self, decode: bool) -> bool {
+        self.attn_scores == Precision::Bf16 || (decode && self.attn_decode == AttnDecode::MmaBf16)
+    }
+
     /// True when a decode step computes exactly what a prefill of the same token would: no decode-
     /// only kernel or selection is on. Only then may KV written by decode steps be shared through
     /// the prefix cache with later prompts (which prefill those positions).

@@ -25,7 +25,7 @@ use crate::backend::{Backend, Device};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::model::{KvPool, Model, Segment, WantLogits};
-use crate::models::llama::{batch_positions, Linear};
+use crate::models::llama::{batch_positions, chunk_boundary_hidden, Linear};
 use crate::numerics::round_bf16;
 use crate::toggles::{AttnDecode, KvDtype, Precision, Toggles};
 
@@ -563,32 +563,27 @@ fn build_meta(
     let hide = data.len();
     data.extend(where_.iter().map(|&(si, p)| {
         let s = &segs[si];
-        if s.fault_chunk_boundary && p == s.table.len && p > 0 {
-            p as i32 - 1
-        } else {
-            -1
-        }
+        chunk_boundary_hidden(s.fault_chunk_boundary, s.table.len, p).map_or(-1, |h| h as i32)
     }));
-    let tables = data.len();
-    for s in segs {
+    // A block table as one row of `max_blocks` entries, padded with block 0 (never read).
+    let push_table = |data: &mut Vec<i32>, s: &Segment<'_>| {
         data.extend(s.table.blocks.iter().map(|&b| b as i32));
         data.extend(std::iter::repeat_n(0, max_blocks - s.table.blocks.len()));
+    };
+    let tables = data.len();
+    for s in segs {
+        push_table(&mut data, s);
     }
     let logit_rows = data.len();
     let mut t0 = 0usize;
     for s in segs {
-        let len = s.tokens.len();
-        let rows = match s.want {
-            WantLogits::None => 0..0,
-            WantLogits::Last => t0 + len - 1..t0 + len,
-            WantLogits::All => t0..t0 + len,
-        };
-        data.extend(rows.map(|r| r as i32));
-        t0 += len;
+        data.extend(s.logit_rows().map(|r| (t0 + r) as i32));
+        t0 += s.tokens.len();
     }
     let n_logit_rows = data.len() - logit_rows;
     let decode_rows = data.len();
-    if toggles.decode_topk.is_some() || toggles.attn_decode == AttnDecode::MmaBf16 {
+    // Decode rows get their own kernel exactly when decode differs from prefill.
+    if !toggles.decode_matches_prefill() {
         data.extend(
             where_
                 .iter()
@@ -617,9 +612,7 @@ fn build_meta(
         .map(|&t| t as usize)
         .collect();
     for &t in &dec {
-        let s = &segs[where_[t].0];
-        data.extend(s.table.blocks.iter().map(|&b| b as i32));
-        data.extend(std::iter::repeat_n(0, max_blocks - s.table.blocks.len()));
+        push_table(&mut data, &segs[where_[t].0]);
     }
     let decode_ctx = data.len();
     data.extend(dec.iter().map(|&t| where_[t].1 as i32 + 1));
@@ -812,7 +805,7 @@ impl Backend for CudaBackend {
         let (q_dim, inter) = (nh * hd, cfg.intermediate_size);
         let pm = toggles.matmul;
         let scale = 1.0 / (hd as f32).sqrt();
-        let attn_bf16 = usize::from(toggles.attn_scores == Precision::Bf16);
+        let attn_bf16 = usize::from(toggles.attention_bf16(false));
         let kv_mode = match toggles.kv_dtype {
             KvDtype::F32 => 0,
             KvDtype::Bf16 => 1,
@@ -923,7 +916,7 @@ impl Backend for CudaBackend {
             // Decode steps recomputed by their own kernel settings: bf16 operands for
             // attn_decode=mma-bf16 (the SIMT kernel with the tensor-core kernel's roundings), and
             // the sparse top-k selection.
-            let decode_bf16 = attn_bf16.max(usize::from(decode_mma));
+            let decode_bf16 = usize::from(toggles.attention_bf16(true));
             let (rows, nr) = (mi(meta.decode_rows), meta.n_decode_rows);
             if let (Some(top_k), true) = (topk, scores_ptr != 0) {
                 let a = context(Args::new().p(scores_ptr).i(scores_stride).p(q).p(kp), rows);
@@ -1063,11 +1056,7 @@ impl Backend for CudaBackend {
         let mut out = Vec::with_capacity(segs.len());
         let mut at = 0usize;
         for sg in segs.iter() {
-            let rows = match sg.want {
-                WantLogits::None => 0,
-                WantLogits::Last => 1,
-                WantLogits::All => sg.tokens.len(),
-            };
+            let rows = sg.logit_rows().len();
             out.push(host[at * vocab..(at + rows) * vocab].to_vec());
             at += rows;
         }

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::numerics::{
     fake_quant_fp8_e4m3, matmul_t, rms_norm, round_bf16, round_bf16_slice, silu_mul,
 };
-use crate::toggles::{AttnDecode, KvDtype, Precision, Toggles};
+use crate::toggles::{KvDtype, Precision, Toggles};
 use crate::weights::WeightStore;
 
 /// A linear layer `y = x·Wᵀ + b` with `W` stored `(out, in)`.
@@ -179,14 +179,6 @@ impl KvPool {
         self.num_blocks
     }
 
-    /// Where the pool lives: `"cpu"` or `"cuda"`.
-    pub fn location(&self) -> &'static str {
-        match self.storage {
-            KvStorage::Host { .. } => "cpu",
-            KvStorage::Cuda(_) => "cuda",
-        }
-    }
-
     /// Adds `n` blocks (for single-sequence use, where the pool grows with the sequence).
     pub fn grow(&mut self, n: usize) -> Result<()> {
         let new_blocks = self.num_blocks + n;
@@ -329,6 +321,24 @@ pub struct Segment<'a> {
     /// FAULT `fault.chunk=boundary`: the first token of this segment cannot see the token just
     /// before it (an off-by-one in the causal mask at a prefill-chunk boundary).
     pub fault_chunk_boundary: bool,
+}
+
+impl Segment<'_> {
+    /// The rows of this segment's new tokens whose logits it wants, counted from its first token.
+    pub(crate) fn logit_rows(&self) -> std::ops::Range<usize> {
+        let len = self.tokens.len();
+        match self.want {
+            WantLogits::None => 0..0,
+            WantLogits::Last => len - 1..len,
+            WantLogits::All => 0..len,
+        }
+    }
+}
+
+/// The position the chunk-boundary fault hides from the token at `pos` of a segment that starts
+/// at `start`: the token just before the chunk, from the chunk's first token only.
+pub(crate) fn chunk_boundary_hidden(fault: bool, start: usize, pos: usize) -> Option<usize> {
+    (fault && pos == start && pos > 0).then(|| pos - 1)
 }
 
 /// A loaded model.
@@ -554,8 +564,7 @@ impl Model {
                     let qh = &q[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
                     let kvh = head / (nh / nkv);
                     // The faulty mask hides the previous token from a chunk's first token.
-                    let hide = (view.fault_chunk_boundary && pos == view.start && pos > 0)
-                        .then(|| pos - 1);
+                    let hide = chunk_boundary_hidden(view.fault_chunk_boundary, view.start, pos);
                     attend(
                         qh,
                         &layer_kv,
@@ -591,11 +600,8 @@ impl Model {
         let mut t0 = 0;
         for s in segs.iter() {
             let len = s.tokens.len();
-            let rows = match s.want {
-                WantLogits::None => 0..0,
-                WantLogits::Last => t0 + len - 1..t0 + len,
-                WantLogits::All => t0..t0 + len,
-            };
+            let rows = s.logit_rows();
+            let rows = t0 + rows.start..t0 + rows.end;
             let r = rows.len();
             let mut logits = vec![0.0f32; r * cfg.vocab_size];
             if r > 0 {
@@ -741,10 +747,7 @@ fn attend_with(
     let hd = kv.hd;
     let bs = kv.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
-    // Bf16 operands for every attention (attn_scores) or for decode steps only (the bf16
-    // tensor-core decode kernel, attn_decode=mma-bf16).
-    let bf16 = toggles.attn_scores == Precision::Bf16
-        || (decode && toggles.attn_decode == AttnDecode::MmaBf16);
+    let bf16 = toggles.attention_bf16(decode);
     qv.clear();
     qv.extend_from_slice(q);
     kbuf.clear();
