@@ -6,7 +6,8 @@
 #
 # then, on the GPU machine, from the repository root:
 #
-#   bash bench/cuda/run_engine_tests.sh [OUT_DIR]      # ONLY_1B=1: only the llama-1b figures
+#   bash bench/cuda/run_engine_tests.sh [OUT_DIR]      # ONLY_1B=1: only the llama-1b figures;
+#                                                      # ONLY_TESTS=1: only the tests
 #
 # cudarc loads libcuda from the driver and libnvrtc / libcublas / libcublasLt (CUDA 13) at run
 # time; the driver ships only libcuda, so the toolkit's (or PyTorch's bundled) folders are put on
@@ -40,7 +41,7 @@ status=0
   fi
 done
 
-if [ -x "$bin/tapedeck" ]; then
+if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
   td="$bin/tapedeck"
   [ "${ONLY_1B:-0}" = 1 ] || for dev in cpu cuda; do
     echo "== tapedeck generate --device $dev (greedy: the same text on both)"
