@@ -408,3 +408,182 @@ extern "C" __global__ void topk_mask(float* scores, int scores_stride, const int
         __syncthreads();
     }
 }
+
+// ---- Picking the next token on the device ----------------------------------------------------
+// Greedy decoding and teacher forcing need, per row of logits, only the token (the most likely
+// one, or a given one), the log-sum-exp, the entropy and the top-k alternatives: these two kernels
+// compute them where the logits are, so a decode step copies back PICK_WORDS(k) words a row
+// instead of a vocabulary of floats. The formulas are sampling::summarize's: lse = max + ln S0,
+// entropy = lse - S1/S0 with S0 = sum e^(x-max), S1 = sum e^(x-max) x, in f64; candidates are
+// ordered as f32::total_cmp orders them, ties to the lower token ID.
+#define PICK_CHUNK 8192
+#define PICK_THREADS 256
+#define PICK_PER_THREAD (PICK_CHUNK / PICK_THREADS)
+#define PICK_MAX_K 32
+#define PICK_MAX_CHUNKS 64
+
+// A candidate as one integer: the value's order key above the inverted index, so the larger of
+// two packed candidates is the larger value, or the lower index of two equal ones. 0 is "none".
+__device__ __forceinline__ unsigned long long pick_pack(float v, unsigned int idx) {
+    return ((unsigned long long)float_key(v) << 32) | (unsigned long long)(~idx);
+}
+
+__device__ __forceinline__ unsigned int pick_index(unsigned long long c) {
+    return ~(unsigned int)(c & 0xffffffffull);
+}
+
+// The largest packed candidate of the block; every thread gets it.
+__device__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* shared32) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    __syncthreads();
+    if (lane == 0) shared32[warp] = v;
+    __syncthreads();
+    unsigned long long t = lane < warps ? shared32[lane] : 0ull;
+    for (int o = 16; o > 0; o >>= 1) {
+        unsigned long long w = __shfl_xor_sync(0xffffffffu, t, o);
+        t = w > t ? w : t;
+    }
+    return t;
+}
+
+__device__ double block_sum_f64(double v, double* shared32) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (lane == 0) shared32[warp] = v;
+    __syncthreads();
+    double t = 0.0;
+    if (lane == 0 && warp == 0) {
+        for (int w = 0; w < warps; w++) t += shared32[w];  // in order: deterministic
+        shared32[32] = t;
+    }
+    __syncthreads();
+    return shared32[32];
+}
+
+// Per (picked row p, chunk c of PICK_CHUNK logits): the chunk's max M, S0 and S1 relative to M,
+// and its k best candidates. logits row rows[p]; stats (picks, chunks, 3) f64; top (picks,
+// chunks, k). grid (picks, chunks), block PICK_THREADS.
+extern "C" __global__ void pick_partial(const float* logits, int vocab, const int* rows, int k,
+                                        double* stats, unsigned long long* top) {
+    __shared__ unsigned long long s_u[32];
+    __shared__ double s_d[33];
+    __shared__ float s_f[32];
+    int p = blockIdx.x, c = blockIdx.y, chunks = gridDim.y;
+    const float* row = logits + (size_t)rows[p] * vocab;
+    int base = c * PICK_CHUNK;
+    float v[PICK_PER_THREAD];
+    float m = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < PICK_PER_THREAD; j++) {
+        int i = base + threadIdx.x + j * PICK_THREADS;
+        v[j] = i < vocab ? row[i] : NEG_INF;
+        m = fmaxf(m, v[j]);  // fmaxf skips NaN, as f32::max does
+    }
+    m = block_max(m, s_f);
+    double s0 = 0.0, s1 = 0.0;
+    if (m != NEG_INF) {
+#pragma unroll
+        for (int j = 0; j < PICK_PER_THREAD; j++) {
+            double x = (double)v[j];
+            double e = exp(x - (double)m);
+            if (e > 0.0) {
+                s0 += e;
+                s1 += e * x;
+            }
+        }
+    }
+    s0 = block_sum_f64(s0, s_d);
+    s1 = block_sum_f64(s1, s_d);
+    size_t pc = (size_t)p * chunks + c;
+    if (threadIdx.x == 0) {
+        stats[pc * 3] = (double)m;
+        stats[pc * 3 + 1] = s0;
+        stats[pc * 3 + 2] = s1;
+    }
+    // k rounds of "best not yet taken"; each thread marks what it gave in a bit mask.
+    unsigned int taken = 0;
+    for (int r = 0; r < k; r++) {
+        unsigned long long best = 0;
+#pragma unroll
+        for (int j = 0; j < PICK_PER_THREAD; j++) {
+            int i = base + threadIdx.x + j * PICK_THREADS;
+            if (i < vocab && !(taken & (1u << j))) {
+                unsigned long long cand = pick_pack(v[j], (unsigned int)i);
+                best = cand > best ? cand : best;
+            }
+        }
+        unsigned long long win = block_max_u64(best, s_u);
+        if (win != 0 && win == best) {
+            int local = (int)pick_index(win) - base - threadIdx.x;
+            taken |= 1u << (local / PICK_THREADS);
+        }
+        if (threadIdx.x == 0) top[pc * k + r] = win;
+    }
+}
+
+// Words of one picked row's result: lse and entropy (f64 each), the token and its logit, then k
+// (token, logit) pairs, most likely first (ID 0xffffffff past the vocabulary's end).
+#define PICK_WORDS(k) (6 + 2 * (k))
+
+// Merges the chunks of each picked row: chosen[p] is the token to report (-1: the most likely).
+// out (picks, PICK_WORDS(k)) u32. grid (picks), block PICK_THREADS.
+extern "C" __global__ void pick_finish(const float* logits, int vocab, const int* rows,
+                                       const int* chosen, int k, int chunks,
+                                       const double* stats, const unsigned long long* top,
+                                       unsigned int* out) {
+    __shared__ unsigned long long cand[PICK_MAX_CHUNKS * PICK_MAX_K];
+    __shared__ unsigned long long s_u[32];
+    int p = blockIdx.x, n = chunks * k;
+    const float* row = logits + (size_t)rows[p] * vocab;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) cand[i] = top[(size_t)p * n + i];
+    __syncthreads();
+    unsigned int* o = out + (size_t)p * PICK_WORDS(k);
+    unsigned int first = 0xffffffffu;
+    for (int r = 0; r < k; r++) {
+        unsigned long long best = 0;
+        int at = -1;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            if (cand[i] > best) {
+                best = cand[i];
+                at = i;
+            }
+        }
+        unsigned long long win = block_max_u64(best, s_u);
+        if (win != 0 && win == best) cand[at] = 0;
+        __syncthreads();
+        unsigned int id = win ? pick_index(win) : 0xffffffffu;
+        if (r == 0) first = id;
+        if (threadIdx.x == 0) {
+            o[6 + 2 * r] = id;
+            o[7 + 2 * r] = win ? __float_as_uint(row[id]) : __float_as_uint(NEG_INF);
+        }
+    }
+    if (threadIdx.x == 0) {
+        // The chunks combined in order: M = max M_c, S = sum S_c e^(M_c - M).
+        double mx = -1.0 / 0.0, s0 = 0.0, s1 = 0.0;
+        for (int c = 0; c < chunks; c++) mx = fmax(mx, stats[((size_t)p * chunks + c) * 3]);
+        for (int c = 0; c < chunks; c++) {
+            const double* st = stats + ((size_t)p * chunks + c) * 3;
+            if (st[1] > 0.0) {
+                double w = exp(st[0] - mx);
+                s0 += st[1] * w;
+                s1 += st[2] * w;
+            }
+        }
+        double lse = mx + log(s0), ent = lse - s1 / s0;
+        unsigned long long lb = (unsigned long long)__double_as_longlong(lse);
+        unsigned long long eb = (unsigned long long)__double_as_longlong(ent);
+        o[0] = (unsigned int)lb;
+        o[1] = (unsigned int)(lb >> 32);
+        o[2] = (unsigned int)eb;
+        o[3] = (unsigned int)(eb >> 32);
+        int tok = chosen[p] >= 0 ? chosen[p] : (int)first;
+        o[4] = (unsigned int)tok;
+        o[5] = (tok >= 0 && tok < vocab) ? __float_as_uint(row[tok]) : __float_as_uint(NEG_INF);
+    }
+}

@@ -12,7 +12,7 @@ use std::str::FromStr;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::model::{KvPool, Model, Segment};
+use crate::model::{KvPool, Logits, Model, Segment};
 use crate::toggles::Toggles;
 
 /// Which device runs the forward passes.
@@ -59,7 +59,8 @@ impl FromStr for Device {
 /// A place that runs the model: it owns the weights and allocates the KV pools it computes in.
 ///
 /// `forward` appends each segment's tokens to its sequence's cache and returns the logits each
-/// segment asked for (`(rows, vocab)` flattened, f32), exactly as [`Model::forward`] documents.
+/// segment asked for (`(rows, vocab)` flattened, f32, or reduced on the device to a picked token
+/// and its summary), exactly as [`Model::forward`] documents.
 /// Implementations must keep a segment's results independent of the other segments in the batch
 /// as far as their arithmetic allows (the CPU backend does bit for bit; the CUDA backend states
 /// its tolerance).
@@ -82,7 +83,7 @@ pub trait Backend: Send + Sync {
         pool: &mut KvPool,
         segs: &mut [Segment<'_>],
         toggles: &Toggles,
-    ) -> Result<Vec<Vec<f32>>>;
+    ) -> Result<Vec<Logits>>;
 
     /// Worker threads used on the host (for the CPU backend, the compute threads).
     fn threads(&self) -> usize;
@@ -135,7 +136,7 @@ impl Backend for CpuBackend {
         pool: &mut KvPool,
         segs: &mut [Segment<'_>],
         toggles: &Toggles,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Vec<Logits>> {
         self.pool
             .install(|| self.model.forward(pool, segs, toggles))
     }

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use crate::error::Result;
 use crate::generate::{FinishReason, GenerateOutput, GenerateRequest, Timings, TokenEvent};
+use crate::model::{Logits, Pick, WantLogits};
 use crate::sampling::{summarize, Sampler};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
@@ -82,22 +83,54 @@ impl Decoding {
         self.out.timings.prefill = self.start.elapsed();
     }
 
-    /// Chooses the next token from `logits`; `context_full` says the context window has no room
-    /// for another position. Returns the event to stream and whether generation ended.
+    /// What the next step needs from the forward pass: a pick (the token and its summary) when
+    /// the choice is greedy or forced, so the backend can make it where the logits are; the
+    /// whole last row when sampling draws from the distribution.
+    pub fn want(&self) -> WantLogits {
+        let k = self.top_k_summary;
+        if let Some(&token) = self.forced.get(self.out.tokens.len()) {
+            WantLogits::Pick(Pick {
+                k,
+                token: Some(token),
+            })
+        } else if self.forced.is_empty() && self.sampler.is_greedy() {
+            WantLogits::Pick(Pick { k, token: None })
+        } else {
+            WantLogits::Last
+        }
+    }
+
+    /// Chooses the next token from `logits` (as [`want`](Self::want) asked for them);
+    /// `context_full` says the context window has no room for another position. Returns the event
+    /// to stream and whether generation ended.
     pub fn step(
         &mut self,
-        logits: &[f32],
+        logits: Logits,
         tok: &Tokenizer,
         context_full: bool,
     ) -> Result<(TokenEvent, bool)> {
         if self.out.tokens.is_empty() && self.out.timings.prefill.is_zero() {
             self.prefilled();
         }
-        if !self.forced.is_empty() {
-            let id = self.forced[self.out.tokens.len()];
-            let summary = summarize(logits, id, self.top_k_summary);
-            self.out.tokens.push(id);
-            self.out.summaries.push(summary.clone());
+        let forced = self.forced.get(self.out.tokens.len()).copied();
+        let (id, summary) = match logits {
+            Logits::Picked { token, summary } => {
+                if forced.is_some_and(|f| f != token) {
+                    return Err(crate::error::Error::Device(format!(
+                        "the backend picked token {token} where {forced:?} was forced"
+                    )));
+                }
+                (token, summary)
+            }
+            Logits::Rows(row) => {
+                let id = forced.unwrap_or_else(|| self.sampler.sample(&row));
+                let summary = summarize(&row, id, self.top_k_summary);
+                (id, summary)
+            }
+        };
+        self.out.tokens.push(id);
+        self.out.summaries.push(summary.clone());
+        if forced.is_some() {
             let elapsed = self.start.elapsed();
             self.out.timings.first_token.get_or_insert(elapsed);
             if self.out.tokens.len() >= self.forced.len() || context_full {
@@ -112,10 +145,6 @@ impl Decoding {
             };
             return Ok((event, self.done));
         }
-        let id = self.sampler.sample(logits);
-        let summary = summarize(logits, id, self.top_k_summary);
-        self.out.tokens.push(id);
-        self.out.summaries.push(summary.clone());
         let is_stop_token =
             (!self.ignore_eos && tok.eos_ids.contains(&id)) || self.stop_token_ids.contains(&id);
         let mut text = String::new();

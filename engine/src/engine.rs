@@ -14,7 +14,7 @@ use crate::decoding::Decoding;
 use crate::error::{Error, Result};
 use crate::generate::{GenerateOutput, GenerateRequest, LogitsSummary, TokenEvent};
 use crate::messages::ChatMessage;
-use crate::model::{KvCache, Model, WantLogits};
+use crate::model::{KvCache, Logits, Model, Pick, WantLogits};
 use crate::sampling::summarize;
 use crate::toggles::Toggles;
 use crate::tokenizer::Tokenizer;
@@ -155,11 +155,11 @@ impl Engine {
         decode: bool,
         want: WantLogits,
         toggles: &Toggles,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Logits> {
         let (pool, seg) = cache.segment(tokens, decode, want)?;
         let mut segs = [seg];
         let mut out = self.backend.forward(pool, &mut segs, toggles)?;
-        Ok(out.pop().unwrap_or_default())
+        Ok(out.pop().unwrap_or(Logits::Rows(Vec::new())))
     }
 
     fn check_prompt(&self, prompt: &[u32]) -> Result<()> {
@@ -189,11 +189,11 @@ impl Engine {
         self.check_prompt(&req.prompt)?;
         let mut cache = self.new_cache()?;
         let mut dec = Decoding::new(req, start);
-        let mut logits = self.prefill(&req.prompt, &mut cache, &req.toggles)?;
+        let mut logits = self.prefill(&req.prompt, &mut cache, dec.want(), &req.toggles)?;
         dec.prefilled();
         loop {
             let full = cache.len() + 1 >= self.context_len();
-            let (event, finished) = dec.step(&logits, &self.tokenizer, full)?;
+            let (event, finished) = dec.step(logits, &self.tokenizer, full)?;
             if !on_token(&event) {
                 dec.cancel();
                 break;
@@ -201,37 +201,34 @@ impl Engine {
             if finished {
                 break;
             }
-            logits = self.forward_one(
-                &[event.id],
-                &mut cache,
-                true,
-                WantLogits::Last,
-                &req.toggles,
-            )?;
+            logits = self.forward_one(&[event.id], &mut cache, true, dec.want(), &req.toggles)?;
         }
         Ok(dec.finish())
     }
 
-    /// Prefills `tokens` in chunks per the `prefill_chunk` toggle; returns the last logits.
-    fn prefill(&self, tokens: &[u32], cache: &mut KvCache, toggles: &Toggles) -> Result<Vec<f32>> {
+    /// Prefills `tokens` in chunks per the `prefill_chunk` toggle; returns what the last chunk's
+    /// `want` asked for.
+    fn prefill(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        want_last: WantLogits,
+        toggles: &Toggles,
+    ) -> Result<Logits> {
         let chunk = toggles
             .prefill_chunk
             .map_or(tokens.len(), |c| c.get())
             .max(1);
-        let mut logits = Vec::new();
+        let mut logits = Logits::Rows(Vec::new());
         for (i, piece) in tokens.chunks(chunk).enumerate() {
             let last = (i + 1) * chunk >= tokens.len();
-            let want = if last {
-                WantLogits::Last
-            } else {
-                WantLogits::None
-            };
+            let want = if last { want_last } else { WantLogits::None };
             let (pool, mut seg) = cache.segment(piece, false, want)?;
             seg.fault_chunk_boundary = toggles.fault_chunk_boundary && i > 0;
             let mut segs = [seg];
             let mut out = self.backend.forward(pool, &mut segs, toggles)?;
-            if last {
-                logits = out.pop().unwrap_or_default();
+            if let (true, Some(l)) = (last, out.pop()) {
+                logits = l;
             }
         }
         Ok(logits)
@@ -276,28 +273,37 @@ impl Engine {
         match mode {
             ScoreMode::Prefill => {
                 // Only rows from-1.. are needed, but a single pass keeps the numerics of one prefill.
-                let logits = self.forward_one(
-                    &tokens[..tokens.len() - 1],
-                    &mut cache,
-                    false,
-                    WantLogits::All,
-                    toggles,
-                )?;
+                let logits = self
+                    .forward_one(
+                        &tokens[..tokens.len() - 1],
+                        &mut cache,
+                        false,
+                        WantLogits::All,
+                        toggles,
+                    )?
+                    .into_rows()?;
                 for i in from..tokens.len() {
                     let row = &logits[(i - 1) * vocab..i * vocab];
                     scores.push(summarize(row, tokens[i], top_k));
                 }
             }
             ScoreMode::Decode => {
-                let mut logits = self.prefill(&tokens[..from], &mut cache, toggles)?;
+                let pick = |i: usize| {
+                    WantLogits::Pick(Pick {
+                        k: top_k,
+                        token: Some(tokens[i]),
+                    })
+                };
+                let mut logits = self.prefill(&tokens[..from], &mut cache, pick(from), toggles)?;
                 for i in from..tokens.len() {
-                    scores.push(summarize(&logits, tokens[i], top_k));
+                    let this = std::mem::replace(&mut logits, Logits::Rows(Vec::new()));
+                    scores.push(picked_summary(this, tokens[i], top_k)?);
                     if i + 1 < tokens.len() {
                         logits = self.forward_one(
                             &tokens[i..i + 1],
                             &mut cache,
                             true,
-                            WantLogits::Last,
+                            pick(i + 1),
                             toggles,
                         )?;
                     }
@@ -305,5 +311,14 @@ impl Engine {
             }
         }
         Ok(scores)
+    }
+}
+
+/// The summary of `token` from a forward pass's result, whichever form it came back in.
+fn picked_summary(logits: Logits, token: u32, k: usize) -> Result<LogitsSummary> {
+    match logits {
+        Logits::Picked { summary, .. } => Ok(summary),
+        Logits::Rows(row) if !row.is_empty() => Ok(summarize(&row, token, k)),
+        Logits::Rows(_) => Err(Error::Device("a forward pass returned no logits".into())),
     }
 }

@@ -2,4 +2,6 @@
 //!
 //! [`models::llama`]: crate::models::llama
 
-pub use crate::models::llama::{BlockTable, KvCache, KvPool, Model, Segment, WantLogits};
+pub use crate::models::llama::{
+    BlockTable, KvCache, KvPool, Logits, Model, Pick, Segment, WantLogits,
+};

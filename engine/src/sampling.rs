@@ -126,12 +126,18 @@ impl Sampler {
         }
     }
 
+    /// Whether every choice is the most likely token (temperature 0 or top-k 1): the choice then
+    /// needs no random draw and no logits beyond the maximum, so a backend can make it.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature <= 0.0 || self.params.top_k == Some(1)
+    }
+
     /// Chooses the next token from raw logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = &self.params;
-        if p.temperature <= 0.0 || p.top_k == Some(1) {
+        if self.is_greedy() {
             return argmax(logits);
         }
+        let p = &self.params;
         let t = p.temperature as f64;
         let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
         // (candidates) unnormalized probabilities, most likely first

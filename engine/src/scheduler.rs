@@ -525,6 +525,7 @@ impl Core {
         }
         let run = {
             let running = &mut self.running;
+            let wants: Vec<WantLogits> = running.iter().map(|s| s.dec.want()).collect();
             let mut tables: Vec<Option<&mut BlockTable>> = Vec::new();
             let mut toks: Vec<Option<&[u32]>> = Vec::new();
             for s in running.iter_mut() {
@@ -545,7 +546,7 @@ impl Core {
                     table,
                     decode: *decode,
                     want: if *decode || ends_prompt {
-                        WantLogits::Last
+                        wants[*i]
                     } else {
                         WantLogits::None
                     },
@@ -599,7 +600,7 @@ impl Core {
                 s.dec.prefilled();
             }
             let full_ctx = s.table.len + 1 >= ctx;
-            let step = s.dec.step(&logits, self.engine.tokenizer(), full_ctx);
+            let step = s.dec.step(logits, self.engine.tokenizer(), full_ctx);
             match step {
                 Ok((event, done)) => {
                     self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);

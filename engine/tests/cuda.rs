@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 use tapedeck_engine::backend::Device;
 use tapedeck_engine::cuda::{kernels, probe};
 use tapedeck_engine::engine::EngineOptions;
-use tapedeck_engine::model::{BlockTable, KvCache, Segment, WantLogits};
+use tapedeck_engine::model::{BlockTable, KvCache, Logits, Pick, Segment, WantLogits};
 use tapedeck_engine::scheduler::{EngineHandle, Event, SchedulerConfig};
 use tapedeck_engine::{
     Engine, GenerateOutput, GenerateRequest, SamplingParams, StopCriteria, Toggles,
@@ -90,7 +90,7 @@ fn run(
         let (pool, seg) = cache.segment(piece, false, want).unwrap();
         let mut out = e.backend().forward(pool, &mut [seg], toggles).unwrap();
         if last {
-            rows.push(out.pop().unwrap());
+            rows.push(out.pop().unwrap().into_rows().unwrap());
         }
     }
     for t in decode {
@@ -102,6 +102,8 @@ fn run(
                 .forward(pool, &mut [seg], toggles)
                 .unwrap()
                 .pop()
+                .unwrap()
+                .into_rows()
                 .unwrap(),
         );
     }
@@ -260,7 +262,13 @@ fn cuda_batched_segments_match_each_alone() {
             fault_chunk_boundary: false,
         })
         .collect();
-    let batched = gpu.backend().forward(&mut pool, &mut segs, &t).unwrap();
+    let batched: Vec<Vec<f32>> = gpu
+        .backend()
+        .forward(&mut pool, &mut segs, &t)
+        .unwrap()
+        .into_iter()
+        .map(|l| l.into_rows().unwrap())
+        .collect();
     let err = worst(&batched, &alone);
     println!("batched on cuda vs each alone on cpu: max rel L2 {err:.2e}");
     assert!(err <= 1e-4, "{err:e}");
@@ -413,4 +421,119 @@ fn cuda_mma_bf16_decode_kernel_on_head_dim_64_and_128() {
         assert!(err <= 2e-2, "head_dim {hd}: {err:e}");
         assert!(moved_gpu > 0.0, "the mma kernel changed nothing");
     }
+}
+
+#[test]
+fn cuda_picks_tokens_on_the_device_like_the_host() {
+    // Greedy decoding and teacher forcing reduce the logits on the GPU (argmax, log-sum-exp,
+    // entropy, top-k) and copy back only that. Against the host's reduction of the same logits
+    // (copied back whole): the same token and alternatives, logprobs within 1e-6 (both sum in
+    // f64; only the order of the partial sums differs), on a vocabulary of 9 partial chunks with
+    // a ragged last one, in batches that mix picked, whole-row and no-logit segments.
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = tapedeck_engine::fixture::FixtureSpec::tiny_llama();
+    spec.name = "pick-70k".into();
+    spec.model_vocab_size = Some(70_001);
+    spec.num_layers = 2;
+    let path = dir.path().join(&spec.name);
+    tapedeck_engine::fixture::build(&spec, &path).unwrap();
+    let gpu = Engine::load_with(
+        &path,
+        &EngineOptions {
+            threads: None,
+            device: Device::Cuda(0),
+        },
+    )
+    .unwrap();
+    let vocab = gpu.config().vocab_size;
+    assert_eq!(vocab, 70_001);
+    let mut r = rng();
+    let t = Toggles::default();
+    let seqs: Vec<Vec<u32>> = (0..4).map(|i| tokens(&gpu, 5 + 17 * i, &mut r)).collect();
+    let wants = |seq: usize| -> WantLogits {
+        match seq {
+            0 => WantLogits::Pick(Pick { k: 8, token: None }),
+            1 => WantLogits::Pick(Pick {
+                k: 3,
+                token: Some(r_token(seq, vocab)),
+            }),
+            // More alternatives than the device keeps: picked on the host from copied rows.
+            2 => WantLogits::Pick(Pick { k: 40, token: None }),
+            _ => WantLogits::Pick(Pick { k: 0, token: None }),
+        }
+    };
+    let run_batch = |want: &dyn Fn(usize) -> WantLogits| -> Vec<Logits> {
+        let mut pool = gpu.backend().new_pool(16, 64).unwrap();
+        let mut tables: Vec<BlockTable> = Vec::new();
+        let mut next = 0u32;
+        for s in &seqs {
+            let n = s.len().div_ceil(16) as u32;
+            tables.push(BlockTable {
+                blocks: (next..next + n).collect(),
+                len: 0,
+            });
+            next += n;
+        }
+        let mut segs: Vec<Segment> = seqs
+            .iter()
+            .zip(tables.iter_mut())
+            .enumerate()
+            .map(|(i, (s, table))| Segment {
+                tokens: s,
+                table,
+                decode: false,
+                want: want(i),
+                fault_chunk_boundary: false,
+            })
+            .collect();
+        gpu.backend().forward(&mut pool, &mut segs, &t).unwrap()
+    };
+    let picked = run_batch(&wants);
+    let rows = run_batch(&|_| WantLogits::Last);
+    for (i, (got, row)) in picked.into_iter().zip(rows).enumerate() {
+        let WantLogits::Pick(p) = wants(i) else {
+            unreachable!()
+        };
+        let row = row.into_rows().unwrap();
+        assert!(row.iter().all(|v| v.is_finite()));
+        let want = Logits::pick(&row, p);
+        let (
+            Logits::Picked { token, summary },
+            Logits::Picked {
+                token: want_token,
+                summary: want_summary,
+            },
+        ) = (got, want)
+        else {
+            panic!("segment {i} was not picked")
+        };
+        println!(
+            "segment {i} ({p:?}): token {token} (host {want_token}), logprob {} vs {}, \
+             entropy {} vs {}",
+            summary.logprob, want_summary.logprob, summary.entropy, want_summary.entropy
+        );
+        assert_eq!(token, want_token, "segment {i}");
+        assert!(
+            (summary.logprob - want_summary.logprob).abs() <= 1e-6,
+            "segment {i}"
+        );
+        assert!(
+            (summary.entropy - want_summary.entropy).abs() <= 1e-5,
+            "segment {i}"
+        );
+        assert_eq!(summary.top.len(), p.k, "segment {i}");
+        for (a, b) in summary.top.iter().zip(&want_summary.top) {
+            assert_eq!(a.0, b.0, "segment {i}: alternatives differ");
+            assert!((a.1 - b.1).abs() <= 1e-6, "segment {i}");
+        }
+    }
+}
+
+/// A fixed token in the padded part of the vocabulary or not, per segment.
+fn r_token(seq: usize, vocab: usize) -> u32 {
+    ((seq * 7919 + 65_537) % vocab) as u32
 }

@@ -24,7 +24,8 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use crate::backend::{Backend, Device};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::model::{KvPool, Model, Segment, WantLogits};
+use crate::generate::LogitsSummary;
+use crate::model::{KvPool, Logits, Model, Pick, Segment, WantLogits};
 use crate::models::llama::{batch_positions, chunk_boundary_hidden, Linear};
 use crate::numerics::round_bf16;
 use crate::toggles::{AttnDecode, KvDtype, Precision, Toggles};
@@ -237,6 +238,8 @@ struct Kernels {
     topk_mask: CudaFunction,
     decode_mma: CudaFunction,
     decode_combine: CudaFunction,
+    pick_partial: CudaFunction,
+    pick_finish: CudaFunction,
 }
 
 impl Kernels {
@@ -286,6 +289,8 @@ impl Kernels {
             attention: f("attention")?,
             attention_scores: f("attention_scores")?,
             topk_mask: f("topk_mask")?,
+            pick_partial: f("pick_partial")?,
+            pick_finish: f("pick_finish")?,
         })
     }
 }
@@ -376,6 +381,10 @@ struct Scratch {
     /// Split-K workspace: outputs (rows, heads, splits, head_dim) and (max, sum) pairs.
     partial_out: Option<DevBuf>,
     partial_ml: Option<DevBuf>,
+    /// Token picking: per-chunk statistics and candidates, and the results copied back.
+    pick_stats: Option<DevBuf>,
+    pick_top: Option<DevBuf>,
+    pick_out: Option<DevBuf>,
 }
 
 struct ScratchBufs {
@@ -528,12 +537,60 @@ struct Meta {
     /// Per decode row: its block table (`max_blocks` each) and context length.
     decode_tables: usize,
     decode_ctx: usize,
+    /// Segments whose token is picked on the device: their logit row (index into the logits
+    /// buffer) and the token to report (-1: the most likely), `n_picks` each; `pick_k` is the
+    /// largest number of alternatives any of them keeps (at least 1).
+    pick_rows: usize,
+    pick_chosen: usize,
+    n_picks: usize,
+    pick_k: usize,
+}
+
+/// Alternatives the device keeps per picked row (`PICK_MAX_K` in kernels/engine.cu).
+const PICK_MAX_K: usize = 32;
+/// Logits per partial reduction, and the most partials one row may have (`PICK_CHUNK`,
+/// `PICK_MAX_CHUNKS`): vocabularies up to 512k tokens are picked on the device.
+const PICK_CHUNK: usize = 8192;
+const PICK_MAX_CHUNKS: usize = 64;
+
+/// u32 words of one picked row's result (`PICK_WORDS` in kernels/engine.cu).
+fn pick_words(k: usize) -> usize {
+    6 + 2 * k
+}
+
+/// Whether the device can make this pick for a vocabulary of `vocab` (otherwise the row is
+/// copied back and picked on the host, with the same result).
+fn device_pick(p: &Pick, vocab: usize) -> bool {
+    p.k <= PICK_MAX_K && vocab.div_ceil(PICK_CHUNK) <= PICK_MAX_CHUNKS
+}
+
+/// The pick of one row from the words `pick_finish` wrote: the summary `summarize` would give
+/// from the same logits.
+fn parse_pick(words: &[u32], k: usize) -> Logits {
+    let f64_at = |i: usize| f64::from_bits(u64::from(words[i]) | (u64::from(words[i + 1]) << 32));
+    let (lse, entropy) = (f64_at(0), f64_at(2));
+    let token = words[4];
+    let logprob = f32::from_bits(words[5]) as f64 - lse;
+    let top = (0..k)
+        .map(|r| (words[6 + 2 * r], f32::from_bits(words[7 + 2 * r])))
+        .filter(|&(id, _)| id != u32::MAX)
+        .map(|(id, v)| (id, (v as f64 - lse) as f32))
+        .collect();
+    Logits::Picked {
+        token,
+        summary: LogitsSummary {
+            logprob: logprob as f32,
+            top,
+            entropy: entropy as f32,
+        },
+    }
 }
 
 fn build_meta(
     segs: &[Segment<'_>],
     where_: &[(usize, usize)],
     block_size: usize,
+    vocab: usize,
     toggles: &Toggles,
 ) -> Meta {
     let n = where_.len();
@@ -616,6 +673,21 @@ fn build_meta(
     }
     let decode_ctx = data.len();
     data.extend(dec.iter().map(|&t| where_[t].1 as i32 + 1));
+    let (mut picked, mut chosen, mut pick_k, mut row) = (Vec::new(), Vec::new(), 1, 0);
+    for s in segs {
+        if let WantLogits::Pick(p) = s.want {
+            if device_pick(&p, vocab) {
+                picked.push(row as i32);
+                chosen.push(p.token.map_or(-1, |t| t as i32));
+                pick_k = pick_k.max(p.k);
+            }
+        }
+        row += s.logit_rows().len();
+    }
+    let pick_rows = data.len();
+    data.extend(&picked);
+    let pick_chosen = data.len();
+    data.extend(&chosen);
     Meta {
         data,
         ids,
@@ -634,6 +706,10 @@ fn build_meta(
         n_other_rows,
         decode_tables,
         decode_ctx,
+        pick_rows,
+        pick_chosen,
+        n_picks: picked.len(),
+        pick_k,
     }
 }
 
@@ -776,14 +852,14 @@ impl Backend for CudaBackend {
         pool: &mut KvPool,
         segs: &mut [Segment<'_>],
         toggles: &Toggles,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Vec<Logits>> {
         let cfg = &self.cfg;
         let context_len = self.context_len;
         let bs = pool.block_size();
         let where_ = batch_positions(cfg, context_len, bs, segs)?;
         let n = where_.len();
         if n == 0 {
-            return Ok(segs.iter().map(|_| Vec::new()).collect());
+            return Ok(segs.iter().map(|_| Logits::Rows(Vec::new())).collect());
         }
         let mut inner = self
             .inner
@@ -791,7 +867,7 @@ impl Backend for CudaBackend {
             .map_err(|_| Error::Device("the CUDA backend's lock was poisoned".into()))?;
         self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
         let kv = pool.device_mut()?;
-        let meta = build_meta(segs, &where_, bs, toggles);
+        let meta = build_meta(segs, &where_, bs, cfg.vocab_size, toggles);
         inner.ensure_scratch(&self.ctx, cfg, n)?;
         let inner = &mut *inner;
         let meta_ptr = ensure(&mut inner.scratch.meta, &self.ctx, meta.data.len() * 4)?;
@@ -1018,10 +1094,13 @@ impl Backend for CudaBackend {
         for sg in segs.iter_mut() {
             sg.table.len += sg.tokens.len();
         }
-        // Final norm and head on the rows asked for: gather them (into `tmp`), norm, project.
+        // Final norm and head on the rows asked for: gather them (into `tmp`), norm, project;
+        // then pick tokens where asked and copy back only what each segment needs.
         let r = meta.n_logit_rows;
         let vocab = cfg.vocab_size;
-        let mut host = vec![0.0f32; r * vocab];
+        let mut out: Vec<Option<Logits>> = segs.iter().map(|_| None).collect();
+        let mut rows_host: Vec<(usize, Vec<f32>)> = Vec::new();
+        let mut picks_host = vec![0u32; meta.n_picks * pick_words(meta.pick_k)];
         if r > 0 {
             Args::new().p(tmp).p(x).p(mi(meta.logit_rows)).i(h).launch(
                 s,
@@ -1037,30 +1116,105 @@ impl Backend for CudaBackend {
                 .f(cfg.rms_norm_eps)
                 .launch(s, &kn.rms_norm, (r, 1), 256)?;
             let logits = ensure(&mut inner.scratch.logits, &self.ctx, r * vocab * 4)?;
-            let s = &inner.stream;
             let hin = inner.gemm_input(xn, r * h, xb, pm)?;
             inner.linear(&inner.head, hin, r, logits, pm)?;
-            // SAFETY: `host` holds exactly r × vocab f32s, the buffer at least as many.
-            unsafe { dr::memcpy_dtoh_async(&mut host, logits, s.cu_stream()) }
-                .map_err(|e| dev_err("downloading logits", e))?;
+            if meta.n_picks > 0 {
+                inner.pick(
+                    &self.ctx,
+                    &meta,
+                    logits,
+                    vocab,
+                    mi(meta.pick_rows),
+                    mi(meta.pick_chosen),
+                )?;
+                let sc = &inner.scratch;
+                let dst = sc.pick_out.as_ref().map_or(0, |b| b.ptr);
+                // SAFETY: the buffer holds n_picks × pick_words(pick_k) words.
+                unsafe { dr::memcpy_dtoh_async(&mut picks_host, dst, inner.stream.cu_stream()) }
+                    .map_err(|e| dev_err("downloading picked tokens", e))?;
+            }
+            // Rows for the segments that sample on the host (or keep more alternatives than the
+            // device picks), each segment's rows contiguous in the logits buffer.
+            let mut at = 0usize;
+            for (i, sg) in segs.iter().enumerate() {
+                let rows = sg.logit_rows().len();
+                let on_device = matches!(sg.want, WantLogits::Pick(p) if device_pick(&p, vocab));
+                if rows > 0 && !on_device {
+                    let mut host = vec![0.0f32; rows * vocab];
+                    let src = logits + (at * vocab * 4) as u64;
+                    // SAFETY: rows at..at+rows lie inside the r × vocab logits buffer.
+                    unsafe { dr::memcpy_dtoh_async(&mut host, src, inner.stream.cu_stream()) }
+                        .map_err(|e| dev_err("downloading logits", e))?;
+                    rows_host.push((i, host));
+                }
+                at += rows;
+            }
         }
         inner
             .stream
             .synchronize()
             .map_err(|e| dev_err("forward pass", e))?;
-        if let [only] = &*segs {
-            if only.want != WantLogits::None {
-                return Ok(vec![host]);
+        for (i, host) in rows_host {
+            out[i] = Some(match segs[i].want {
+                WantLogits::Pick(p) => Logits::pick(&host, p),
+                _ => Logits::Rows(host),
+            });
+        }
+        let mut words = picks_host.chunks_exact(pick_words(meta.pick_k).max(1));
+        for (i, sg) in segs.iter().enumerate() {
+            if let WantLogits::Pick(p) = sg.want {
+                if device_pick(&p, vocab) {
+                    let w = words
+                        .next()
+                        .ok_or_else(|| Error::Device("a picked token is missing".into()))?;
+                    out[i] = Some(parse_pick(w, p.k));
+                }
             }
         }
-        let mut out = Vec::with_capacity(segs.len());
-        let mut at = 0usize;
-        for sg in segs.iter() {
-            let rows = sg.logit_rows().len();
-            out.push(host[at * vocab..(at + rows) * vocab].to_vec());
-            at += rows;
-        }
-        Ok(out)
+        Ok(out
+            .into_iter()
+            .map(|o| o.unwrap_or(Logits::Rows(Vec::new())))
+            .collect())
+    }
+}
+
+impl Inner {
+    /// Picks tokens on the device for the meta's picked rows of `logits`, into `pick_out`.
+    fn pick(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        meta: &Meta,
+        logits: u64,
+        vocab: usize,
+        rows: u64,
+        chosen: u64,
+    ) -> Result<()> {
+        let (p, k) = (meta.n_picks, meta.pick_k);
+        let chunks = vocab.div_ceil(PICK_CHUNK);
+        let sc = &mut self.scratch;
+        let stats = ensure(&mut sc.pick_stats, ctx, p * chunks * 3 * 8)?;
+        let top = ensure(&mut sc.pick_top, ctx, p * chunks * k * 8)?;
+        let out = ensure(&mut sc.pick_out, ctx, p * pick_words(k) * 4)?;
+        let s = &self.stream;
+        Args::new()
+            .p(logits)
+            .i(vocab)
+            .p(rows)
+            .i(k)
+            .p(stats)
+            .p(top)
+            .launch(s, &self.k.pick_partial, (p, chunks), 256)?;
+        Args::new()
+            .p(logits)
+            .i(vocab)
+            .p(rows)
+            .p(chosen)
+            .i(k)
+            .i(chunks)
+            .p(stats)
+            .p(top)
+            .p(out)
+            .launch(s, &self.k.pick_finish, (p, 1), 256)
     }
 }
 
@@ -1109,13 +1263,16 @@ mod tests {
                 tokens: &b,
                 table: &mut t2,
                 decode: true,
-                want: WantLogits::Last,
+                want: WantLogits::Pick(Pick {
+                    k: 5,
+                    token: Some(4),
+                }),
                 fault_chunk_boundary: false,
             },
         ];
         let where_ = [(0, 16), (0, 17), (0, 18), (1, 3)];
         let toggles: Toggles = "attn_decode=mma-bf16".parse().unwrap();
-        let m = build_meta(&segs, &where_, 16, &toggles);
+        let m = build_meta(&segs, &where_, 16, 1000, &toggles);
         let d = &m.data;
         assert_eq!(&d[m.ids..m.ids + 4], &[1, 2, 3, 9]);
         // Position 16 of the first sequence is slot 0 of block 2; position 3 of the second is
@@ -1134,5 +1291,28 @@ mod tests {
         assert_eq!(&d[m.other_rows..m.other_rows + m.n_other_rows], &[0, 1, 2]);
         assert_eq!(&d[m.decode_tables..m.decode_tables + 2], &[7, 0]);
         assert_eq!(d[m.decode_ctx], 4);
+        // The second segment's token is picked on the device: its logit row is the fourth.
+        assert_eq!((m.n_picks, m.pick_k), (1, 5));
+        assert_eq!((d[m.pick_rows], d[m.pick_chosen]), (3, 4));
+    }
+
+    #[test]
+    fn picks_parse_as_the_host_summary_reads() {
+        let lse = 2.5f64;
+        let mut w = vec![0u32; pick_words(3)];
+        w[..2].copy_from_slice(&[lse.to_bits() as u32, (lse.to_bits() >> 32) as u32]);
+        let ent = 1.25f64;
+        w[2..4].copy_from_slice(&[ent.to_bits() as u32, (ent.to_bits() >> 32) as u32]);
+        w[4] = 7;
+        w[5] = 2.0f32.to_bits();
+        w[6..].copy_from_slice(&[7, 2.0f32.to_bits(), 3, 1.0f32.to_bits(), u32::MAX, 0]);
+        let Logits::Picked { token, summary } = parse_pick(&w, 3) else {
+            panic!()
+        };
+        assert_eq!(token, 7);
+        assert!((summary.logprob - (2.0 - 2.5)).abs() < 1e-7);
+        assert_eq!(summary.entropy, 1.25);
+        // The third alternative lies past the vocabulary: dropped.
+        assert_eq!(summary.top, vec![(7, -0.5), (3, -1.5)]);
     }
 }

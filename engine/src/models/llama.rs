@@ -15,9 +15,11 @@ use rayon::prelude::*;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::generate::LogitsSummary;
 use crate::numerics::{
     fake_quant_fp8_e4m3, matmul_t, rms_norm, round_bf16, round_bf16_slice, silu_mul,
 };
+use crate::sampling::{argmax, summarize};
 use crate::toggles::{KvDtype, Precision, Toggles};
 use crate::weights::WeightStore;
 
@@ -108,6 +110,61 @@ pub enum WantLogits {
     Last,
     /// Every token's (scoring).
     All,
+    /// The last token's, reduced by the backend to the token chosen and its summary: all that
+    /// greedy decoding and teacher forcing need, so a GPU copies back a few hundred bytes instead
+    /// of a vocabulary of logits per step.
+    Pick(Pick),
+}
+
+/// How [`WantLogits::Pick`] reduces a row of logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pick {
+    /// Alternatives kept in the summary.
+    pub k: usize,
+    /// The token whose log-probability is wanted (teacher forcing), or `None` for the most
+    /// likely one (greedy decoding; ties go to the lower ID, as [`argmax`] breaks them).
+    pub token: Option<u32>,
+}
+
+/// What a forward pass hands back for one segment.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Logits {
+    /// `(rows, vocab)` flattened, f32: the rows [`WantLogits`] asked for (none for `None`).
+    Rows(Vec<f32>),
+    /// [`WantLogits::Pick`]'s reduction of the last row.
+    Picked {
+        /// The token chosen (given, or the most likely).
+        token: u32,
+        /// The distribution it came from, with `logprob` that of `token`.
+        summary: LogitsSummary,
+    },
+}
+
+impl Logits {
+    /// The rows of logits; an error for a picked result (a caller asked for a pick and then
+    /// wanted rows, which is a bug, not bad input).
+    pub fn into_rows(self) -> Result<Vec<f32>> {
+        match self {
+            Logits::Rows(rows) => Ok(rows),
+            Logits::Picked { .. } => Err(Error::Device(
+                "a forward pass returned a picked token where logits were expected".into(),
+            )),
+        }
+    }
+
+    /// Whether there is nothing in it (a prefill chunk that wanted no logits).
+    pub fn is_empty(&self) -> bool {
+        matches!(self, Logits::Rows(r) if r.is_empty())
+    }
+
+    /// Reduces one row of logits as `pick` says (the reference for every backend).
+    pub fn pick(row: &[f32], pick: Pick) -> Logits {
+        let token = pick.token.unwrap_or_else(|| argmax(row));
+        Logits::Picked {
+            token,
+            summary: summarize(row, token, pick.k),
+        }
+    }
 }
 
 /// Key/value storage for many sequences, in fixed-size blocks (paged attention's layout).
@@ -329,7 +386,7 @@ impl Segment<'_> {
         let len = self.tokens.len();
         match self.want {
             WantLogits::None => 0..0,
-            WantLogits::Last => len - 1..len,
+            WantLogits::Last | WantLogits::Pick(_) => len - 1..len,
             WantLogits::All => 0..len,
         }
     }
@@ -467,13 +524,13 @@ impl Model {
     }
 
     /// Runs new tokens of several sequences through the model, appending to their caches, and
-    /// returns for each segment the logits it asked for (`(rows, vocab)` flattened).
+    /// returns for each segment the logits it asked for (`(rows, vocab)` flattened, or picked).
     pub fn forward(
         &self,
         pool: &mut KvPool,
         segs: &mut [Segment<'_>],
         toggles: &Toggles,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Vec<Logits>> {
         let cfg = &self.cfg;
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let (nh, nkv) = (cfg.num_heads, cfg.num_kv_heads);
@@ -481,7 +538,7 @@ impl Model {
         let where_ = batch_positions(cfg, self.context_len(), pool.block_size(), segs)?;
         let n = where_.len();
         if n == 0 {
-            return Ok(segs.iter().map(|_| Vec::new()).collect());
+            return Ok(segs.iter().map(|_| Logits::Rows(Vec::new())).collect());
         }
         let bs = pool.block_size;
         let KvStorage::Host {
@@ -614,7 +671,10 @@ impl Model {
                 );
                 head.forward(&normed, r, &mut logits, pm, &mut scratch);
             }
-            out.push(logits);
+            out.push(match s.want {
+                WantLogits::Pick(p) => Logits::pick(&logits, p),
+                _ => Logits::Rows(logits),
+            });
             t0 += len;
         }
         Ok(out)
