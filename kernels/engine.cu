@@ -146,12 +146,14 @@ extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
 
 // Writes the new tokens' keys and values into the pool at their slots, stored as the cache dtype
 // would hold them (mode 0 f32, 1 bf16, 2 FP8 E4M3 with one amax/448 scale per token and head).
-// The rounded values are also written back to k and v. k, v (n, kv_heads, hd); slots (n).
+// The rounded values are also written back to k and v. k, v (n, kv_heads, hd); slots (n), -1 for
+// none.
 // grid (n, kv_heads), block = hd rounded up to 32.
 extern "C" __global__ void kv_write(float* k_pool, float* v_pool, float* k, float* v,
                                     const int* slots, int kv_heads, int hd, int mode) {
     __shared__ float s32[32];
     int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    if (slots[t] < 0) return;  // a padded row of a graph pass: writes nothing
     size_t src = ((size_t)t * kv_heads + head) * hd + d;
     size_t dst = ((size_t)slots[t] * kv_heads + head) * hd + d;
     bool live = d < hd;

@@ -47,14 +47,30 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
     echo "== tapedeck generate --device $dev (greedy: the same text on both)"
     "$td" generate --device $dev --prompt "hello there" --max-tokens 16 2>&1 | tail -2
   done
-  [ "${ONLY_1B:-0}" = 1 ] || timeout 240 "$td" bench engine --device cuda --model tiny-qwen2 --model llama-120m \
-    --concurrency 1,16,64 --turns 10 2>&1 | tee "$out/bench-engine-cuda.log"
-  for t in "" "matmul=bf16,attn_decode=mma-bf16"; do
+  # Each toggle set as --toggle arguments.
+  toggle_args() { local IFS=,; for p in $1; do printf -- '--toggle\n%s\n' "$p"; done; }
+  [ "${ONLY_1B:-0}" = 1 ] || for t in "" "cuda_graphs=on"; do
+    mapfile -t ta < <(toggle_args "$t")
+    timeout 240 "$td" bench engine --device cuda --model tiny-qwen2 --model llama-120m \
+      "${ta[@]}" --concurrency 1,16,64 --turns 10 2>&1 | tee -a "$out/bench-engine-cuda.log"
+  done
+  # LLAMA1B_TOGGLES="a=b,c=d e=f": other toggle sets (space-separated).
+  if [ -n "${LLAMA1B_TOGGLES:-}" ]; then
+    read -ra sets <<< "$LLAMA1B_TOGGLES"
+  else
+    sets=("" "matmul=bf16,attn_decode=mma-bf16" "matmul=bf16,attn_decode=mma-bf16,cuda_graphs=on")
+  fi
+  for t in "${sets[@]}"; do
     echo "== llama-1b on cuda, toggles: ${t:-default}"
+    mapfile -t ta < <(toggle_args "$t")
     timeout ${LLAMA1B_TIMEOUT:-240} "$td" bench engine --device cuda --model llama-1b \
-      ${t:+--toggle ${t%%,*} --toggle ${t##*,}} --prompt-len 512 --gen 64 \
+      "${ta[@]}" --prompt-len 512 --gen 64 \
       --concurrency 1,16,64 --turns 0 --kv-budget-mib 8192 2>&1 | tee -a "$out/bench-llama-1b.log"
   done
+  echo "== llama-1b prefill at 8k tokens (bf16 GEMMs, tiled f32 attention)"
+  timeout 240 "$td" bench engine --device cuda --model llama-1b --toggle matmul=bf16 \
+    --prompt-len 8192 --gen 4 --concurrency 1 --turns 0 --kv-budget-mib 8192 2>&1 \
+    | tee -a "$out/bench-llama-1b.log"
   echo "== transformers on the same llama-1b weights"
   timeout 240 python3 bench/cuda/hf_decode.py "$HOME/.cache/tapedeck/bench/llama-1b" 512 64 2>&1 \
     | grep -v Warning | tail -3 | tee -a "$out/bench-llama-1b.log"

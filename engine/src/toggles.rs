@@ -80,6 +80,10 @@ pub struct Toggles {
     /// Sparse decode attention: each decode step attends only to the N cached tokens with the
     /// highest scores (like a DSA "lightning indexer"). `None` attends to all tokens.
     pub decode_topk: Option<NonZeroUsize>,
+    /// Decode steps replayed as CUDA graphs captured per batch-size bucket (GPU only; the CPU
+    /// ignores it). Graph replay is a known source of silent corruption in serving engines (stale
+    /// pointers, padded rows, baked-in shapes), so it is a toggle a replay can A/B and bisect.
+    pub cuda_graphs: bool,
     /// Prompt-encoding fault.
     pub fault_encoding: EncodingFault,
     /// Context-window fault: silently drop the oldest non-system turns until the prompt fits in N
@@ -105,6 +109,7 @@ impl Default for Toggles {
             kv_dtype: KvDtype::F32,
             attn_decode: AttnDecode::SimtF32,
             decode_topk: None,
+            cuda_graphs: false,
             fault_encoding: EncodingFault::Off,
             fault_context_window: None,
             prefill_chunk: None,
@@ -159,6 +164,12 @@ pub const REGISTRY: &[ToggleSpec] = &[
         values: "off | N",
         default: "off",
         description: "sparse decode attention over the N highest-scoring cached tokens",
+    },
+    ToggleSpec {
+        name: "cuda_graphs",
+        values: "on | off",
+        default: "off",
+        description: "replay decode steps as CUDA graphs per batch-size bucket (GPU only)",
     },
     ToggleSpec {
         name: "prefill_chunk",
@@ -274,6 +285,7 @@ impl Toggles {
                 }
             }
             "decode_topk" => self.decode_topk = parse_off_or_n(name, value)?,
+            "cuda_graphs" => self.cuda_graphs = parse_on_off(name, value, "on")?,
             "fault.encoding" => {
                 self.fault_encoding = match value {
                     "off" => EncodingFault::Off,
@@ -316,6 +328,7 @@ impl Toggles {
             }
             .to_string(),
             "decode_topk" => off_or_n(self.decode_topk),
+            "cuda_graphs" => on_off(self.cuda_graphs, "on"),
             "fault.encoding" => match self.fault_encoding {
                 EncodingFault::Off => "off",
                 EncodingFault::DropThinkingAlways => "drop_thinking_always",
@@ -461,7 +474,7 @@ mod tests {
     fn text_form_round_trips_every_toggle() {
         let s =
             "matmul=bf16,attn_scores=bf16,kv_dtype=fp8-e4m3,attn_decode=mma-bf16,decode_topk=64,\
-                 prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
+                 cuda_graphs=on,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
                  fault.context_window=512,fault.prefix_cache=stale,fault.chunk=boundary";
         let t: Toggles = s.parse().unwrap();
         assert_eq!(t.to_string(), s);

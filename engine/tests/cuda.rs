@@ -355,6 +355,9 @@ fn cuda_scheduler_invariance_chunks_prefix_cache_and_batching() {
         "prefill_chunk=64",
         "prefix_cache=on",
         "prefix_cache=on",
+        // Decode steps as CUDA graphs, padded to batch buckets among the background traffic.
+        "cuda_graphs=on,prefix_cache=off",
+        "cuda_graphs=on,prefill_chunk=7",
     ] {
         check(toggles);
     }
@@ -536,4 +539,76 @@ fn cuda_picks_tokens_on_the_device_like_the_host() {
 /// A fixed token in the padded part of the vocabulary or not, per segment.
 fn r_token(seq: usize, vocab: usize) -> u32 {
     ((seq * 7919 + 65_537) % vocab) as u32
+}
+
+#[test]
+fn cuda_graphs_replay_what_eager_decode_computes() {
+    // One sequence alone: a graph pass has the eager pass's shape (batch bucket 1), so the same
+    // kernels run on the same inputs and teacher-forced logprobs must be identical, under every
+    // toggle that changes the decode path (the mma kernel's split geometry follows the graph's
+    // context bucket instead of the exact context, so it is compared to 1e-5 instead). The
+    // contexts cross block-table buckets, so graphs are recaptured as they grow.
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = tapedeck_engine::fixture::FixtureSpec::tiny_llama();
+    spec.name = "graphs-hd64".into();
+    spec.hidden_size = 256;
+    spec.num_heads = 8;
+    spec.num_kv_heads = 2;
+    spec.head_dim = Some(64);
+    spec.num_layers = 2;
+    let path = dir.path().join(&spec.name);
+    tapedeck_engine::fixture::build(&spec, &path).unwrap();
+    let gpu = Arc::new(
+        Engine::load_with(
+            &path,
+            &EngineOptions {
+                threads: None,
+                device: Device::Cuda(0),
+            },
+        )
+        .unwrap(),
+    );
+    let mut r = rng();
+    let p = tokens(&gpu, r.random_range(20..60), &mut r);
+    let forced = tokens(&gpu, 90, &mut r);
+    let all = [p.clone(), forced].concat();
+    for (toggles, bound) in [
+        ("", 0.0),
+        ("decode_topk=8", 0.0),
+        ("kv_dtype=fp8-e4m3", 0.0),
+        ("matmul=bf16,attn_scores=bf16", 0.0),
+        ("attn_decode=mma-bf16", 1e-5),
+    ] {
+        let score = |t: &str| {
+            let t: Toggles = t.parse().unwrap();
+            gpu.score_with(
+                &all,
+                p.len(),
+                4,
+                &t,
+                tapedeck_engine::engine::ScoreMode::Decode,
+            )
+            .unwrap()
+        };
+        let eager = score(toggles);
+        let graphs = score(format!("{toggles},cuda_graphs=on").trim_start_matches(','));
+        let worst = eager
+            .iter()
+            .zip(&graphs)
+            .map(|(a, b)| {
+                assert_eq!(
+                    a.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+                    b.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+                    "{toggles}: alternatives differ"
+                );
+                (a.logprob - b.logprob).abs()
+            })
+            .fold(0.0f32, f32::max);
+        println!("{toggles:?}: graphs vs eager, worst |Δ logprob| {worst:e}");
+        assert!(worst <= bound, "{toggles}: {worst:e} > {bound:e}");
+    }
 }

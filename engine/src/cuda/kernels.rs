@@ -42,8 +42,31 @@ pub const ENGINE: KernelSource = KernelSource {
         "attention",
         "attention_scores",
         "topk_mask",
+        "pick_partial",
+        "pick_finish",
     ],
 };
+
+/// Tiled prefill attention (f32 on CUDA cores, the `simt-f32` prefill path): one block per tile
+/// of a prompt chunk's tokens times the query heads of one KV head, K/V staged in shared memory.
+pub const PREFILL: KernelSource = KernelSource {
+    name: "prefill_attention.cu",
+    code: include_str!("../../../kernels/prefill_attention.cu"),
+    entry_points: &[
+        "prefill_attention_hd32",
+        "prefill_attention_hd64",
+        "prefill_attention_hd128",
+    ],
+};
+
+/// Rows (tile tokens × query heads per KV head) of one prefill tile (its `PA_ROWS`).
+pub const PREFILL_ROWS: usize = 64;
+
+/// Dynamic shared memory of the prefill kernel for `head_dim` (its `PA_SMEM_BYTES(hd, PA_BN(hd))`).
+pub fn prefill_smem(head_dim: usize) -> usize {
+    let bn = if head_dim <= 64 { 64 } else { 32 };
+    4 * ((PREFILL_ROWS + 2 * bn) * (head_dim + 4) + PREFILL_ROWS * (bn + 4))
+}
 
 /// The bf16 tensor-core decode attention (`attn_decode=mma-bf16`): `mma.sync` m16n8k16 over a
 /// paged KV cache, split-K over the context, and the kernel that merges the splits. See
@@ -62,7 +85,7 @@ pub const DECODE_MMA: KernelSource = KernelSource {
 pub const DECODE_MMA_SMEM: usize = 65536;
 
 /// Every kernel source shipped (what the portability test compiles for each architecture).
-pub const ALL: &[KernelSource] = &[ENGINE, DECODE_MMA];
+pub const ALL: &[KernelSource] = &[ENGINE, DECODE_MMA, PREFILL];
 
 /// The virtual architecture for a compute capability, e.g. `(9, 0)` → `compute_90`.
 pub fn virtual_arch(major: i32, minor: i32) -> String {

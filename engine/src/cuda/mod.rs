@@ -14,6 +14,7 @@
 //! (cuBLAS chooses its own), so f32 results agree with the CPU to about 1e-6 relative per layer.
 
 pub mod kernels;
+mod meta;
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -24,11 +25,11 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use crate::backend::{Backend, Device};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::generate::LogitsSummary;
-use crate::model::{KvPool, Logits, Model, Pick, Segment, WantLogits};
-use crate::models::llama::{batch_positions, chunk_boundary_hidden, Linear};
+use crate::model::{KvPool, Logits, Model, Segment, WantLogits};
+use crate::models::llama::{batch_positions, Linear};
 use crate::numerics::round_bf16;
 use crate::toggles::{AttnDecode, KvDtype, Precision, Toggles};
+use meta::{build_meta, device_pick, parse_pick, pick_words, Meta, Pad, PICK_CHUNK};
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device(format!("{what}: {e:?}"))
@@ -240,10 +241,12 @@ struct Kernels {
     decode_combine: CudaFunction,
     pick_partial: CudaFunction,
     pick_finish: CudaFunction,
+    /// The tiled prefill kernel for this model's head_dim (none for other head dims).
+    prefill: Option<CudaFunction>,
 }
 
 impl Kernels {
-    fn load(ctx: &Arc<CudaContext>, arch: &str) -> Result<Self> {
+    fn load(ctx: &Arc<CudaContext>, arch: &str, head_dim: usize) -> Result<Self> {
         let ptx = kernels::ptx(&kernels::ENGINE, arch)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
@@ -272,7 +275,34 @@ impl Kernels {
         }
         .result()
         .map_err(|e| dev_err("raising the mma kernel's shared-memory limit", e))?;
+        let prefill = match head_dim {
+            32 | 64 | 128 => {
+                let module = ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_src(kernels::ptx(
+                        &kernels::PREFILL,
+                        arch,
+                    )?))
+                    .map_err(|e| dev_err("loading kernels/prefill_attention.cu", e))?;
+                let name = format!("prefill_attention_hd{head_dim}");
+                let f = module
+                    .load_function(&name)
+                    .map_err(|e| dev_err(&format!("kernel {name}"), e))?;
+                // SAFETY: a valid function handle; the size is within sm_80+'s opt-in limit.
+                unsafe {
+                    cudarc::driver::sys::cuFuncSetAttribute(
+                        f.cu_function(),
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        kernels::prefill_smem(head_dim) as i32,
+                    )
+                }
+                .result()
+                .map_err(|e| dev_err("raising the prefill kernel's shared-memory limit", e))?;
+                Some(f)
+            }
+            _ => None,
+        };
         Ok(Kernels {
+            prefill,
             decode_mma,
             decode_combine: mma
                 .load_function("decode_attn_combine")
@@ -385,6 +415,8 @@ struct Scratch {
     pick_stats: Option<DevBuf>,
     pick_top: Option<DevBuf>,
     pick_out: Option<DevBuf>,
+    /// Bumped whenever a buffer is replaced: captured graphs hold the old addresses.
+    generation: u64,
 }
 
 struct ScratchBufs {
@@ -410,12 +442,61 @@ struct ScratchBufs {
     xb: DevBuf,
 }
 
-fn ensure(slot: &mut Option<DevBuf>, ctx: &Arc<CudaContext>, bytes: usize) -> Result<u64> {
+/// The buffer in `slot`, replaced by a larger one (and `generation` bumped) when it holds fewer
+/// than `bytes`.
+fn ensure(
+    slot: &mut Option<DevBuf>,
+    ctx: &Arc<CudaContext>,
+    bytes: usize,
+    generation: &mut u64,
+) -> Result<u64> {
     if slot.as_ref().is_none_or(|b| b.bytes < bytes) {
         *slot = None;
         *slot = Some(DevBuf::new(ctx, bytes.next_power_of_two())?);
+        *generation += 1;
     }
     Ok(slot.as_ref().map_or(0, |b| b.ptr))
+}
+
+/// Most rows a decode graph takes; larger decode batches run eagerly.
+const GRAPH_MAX_ROWS: usize = 512;
+/// Graphs kept before the cache is emptied (each holds a few hundred nodes).
+const GRAPH_CACHE: usize = 128;
+/// cuBLAS workspace, set explicitly so that captured GEMMs never allocate.
+const BLAS_WORKSPACE: usize = 32 << 20;
+
+/// What a captured graph baked in: the padded shape, every toggle (they choose kernels and
+/// their arguments), the pick width, the KV pool's buffers and the scratch buffers' generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct GraphKey {
+    pad: Pad,
+    toggles: Toggles,
+    pick_k: usize,
+    kv: u64,
+    generation: u64,
+}
+
+/// A captured decode step.
+struct Graph(cudarc::driver::CudaGraph);
+
+// SAFETY: a graph is only launched or dropped under the backend's lock, so its handles are never
+// used from two threads at once (the CUDA requirement on graph objects).
+unsafe impl Send for Graph {}
+
+/// The shape a graph pass pads this batch to, or `None` when the pass runs eagerly: graphs take
+/// decode steps only (one token per sequence, logits wanted), with `cuda_graphs=on`.
+fn graph_pad(segs: &[Segment<'_>], toggles: &Toggles) -> Option<Pad> {
+    let decode_only = segs.iter().all(|s| {
+        s.decode && s.tokens.len() == 1 && matches!(s.want, WantLogits::Last | WantLogits::Pick(_))
+    });
+    if !toggles.cuda_graphs || !decode_only || segs.is_empty() || segs.len() > GRAPH_MAX_ROWS {
+        return None;
+    }
+    let longest = segs.iter().map(|s| s.table.blocks.len()).max().unwrap_or(1);
+    Some(Pad {
+        rows: segs.len().next_power_of_two(),
+        max_blocks: longest.max(1).next_power_of_two(),
+    })
 }
 
 struct Inner {
@@ -431,6 +512,10 @@ struct Inner {
     scratch: Scratch,
     /// Multiprocessors (for the split-K rule).
     sms: usize,
+    /// Captured decode steps, and the scratch generation they were captured at.
+    graphs: std::collections::HashMap<GraphKey, Graph>,
+    /// The cuBLAS workspace (kept alive for the handle).
+    _workspace: DevBuf,
 }
 
 /// The engine on one NVIDIA GPU.
@@ -462,11 +547,25 @@ impl CudaBackend {
             .map_err(|e| dev_err("compute capability", e))?;
         let name = ctx.name().unwrap_or_else(|_| "GPU".into());
         let arch = kernels::virtual_arch(major, minor);
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured into a graph.
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| dev_err("creating a CUDA stream", e))?;
         let blas = cudarc::cublas::CudaBlas::new(stream.clone())
             .map_err(|e| dev_err("creating a cuBLAS handle", e))?;
-        let k = Kernels::load(&ctx, &arch)?;
+        let workspace = DevBuf::new(&ctx, BLAS_WORKSPACE)?;
+        // SAFETY: the handle is live and the workspace outlives it (both live in `Inner`).
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                workspace.ptr as *mut c_void,
+                BLAS_WORKSPACE,
+            )
+        }
+        .result()
+        .map_err(|e| dev_err("setting the cuBLAS workspace", e))?;
         let cfg = model.config().clone();
+        let k = Kernels::load(&ctx, &arch, cfg.head_dim)?;
         if cfg.head_dim > 256 || !cfg.head_dim.is_multiple_of(2) {
             return Err(Error::Device(format!(
                 "head_dim {} is not supported by the CUDA kernels (even, at most 256)",
@@ -497,6 +596,8 @@ impl CudaBackend {
             blas,
             k,
             scratch: Scratch::default(),
+            graphs: Default::default(),
+            _workspace: workspace,
             sms: ctx
                 .attribute(
                     cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -511,205 +612,6 @@ impl CudaBackend {
             ctx,
             inner: Mutex::new(inner),
         })
-    }
-}
-
-/// Host-side index arrays of one pass, uploaded in one copy. Offsets are in i32 elements.
-struct Meta {
-    data: Vec<i32>,
-    ids: usize,
-    pos: usize,
-    slots: usize,
-    seg: usize,
-    ctx: usize,
-    hide: usize,
-    tables: usize,
-    max_blocks: usize,
-    /// Rows whose logits are wanted, as token indices.
-    logit_rows: usize,
-    n_logit_rows: usize,
-    /// Decode tokens (for the sparse top-k path and the bf16 decode kernel).
-    decode_rows: usize,
-    n_decode_rows: usize,
-    /// The rest, when there are decode rows (prefill tokens, for the plain kernel).
-    other_rows: usize,
-    n_other_rows: usize,
-    /// Per decode row: its block table (`max_blocks` each) and context length.
-    decode_tables: usize,
-    decode_ctx: usize,
-    /// Segments whose token is picked on the device: their logit row (index into the logits
-    /// buffer) and the token to report (-1: the most likely), `n_picks` each; `pick_k` is the
-    /// largest number of alternatives any of them keeps (at least 1).
-    pick_rows: usize,
-    pick_chosen: usize,
-    n_picks: usize,
-    pick_k: usize,
-}
-
-/// Alternatives the device keeps per picked row (`PICK_MAX_K` in kernels/engine.cu).
-const PICK_MAX_K: usize = 32;
-/// Logits per partial reduction, and the most partials one row may have (`PICK_CHUNK`,
-/// `PICK_MAX_CHUNKS`): vocabularies up to 512k tokens are picked on the device.
-const PICK_CHUNK: usize = 8192;
-const PICK_MAX_CHUNKS: usize = 64;
-
-/// u32 words of one picked row's result (`PICK_WORDS` in kernels/engine.cu).
-fn pick_words(k: usize) -> usize {
-    6 + 2 * k
-}
-
-/// Whether the device can make this pick for a vocabulary of `vocab` (otherwise the row is
-/// copied back and picked on the host, with the same result).
-fn device_pick(p: &Pick, vocab: usize) -> bool {
-    p.k <= PICK_MAX_K && vocab.div_ceil(PICK_CHUNK) <= PICK_MAX_CHUNKS
-}
-
-/// The pick of one row from the words `pick_finish` wrote: the summary `summarize` would give
-/// from the same logits.
-fn parse_pick(words: &[u32], k: usize) -> Logits {
-    let f64_at = |i: usize| f64::from_bits(u64::from(words[i]) | (u64::from(words[i + 1]) << 32));
-    let (lse, entropy) = (f64_at(0), f64_at(2));
-    let token = words[4];
-    let logprob = f32::from_bits(words[5]) as f64 - lse;
-    let top = (0..k)
-        .map(|r| (words[6 + 2 * r], f32::from_bits(words[7 + 2 * r])))
-        .filter(|&(id, _)| id != u32::MAX)
-        .map(|(id, v)| (id, (v as f64 - lse) as f32))
-        .collect();
-    Logits::Picked {
-        token,
-        summary: LogitsSummary {
-            logprob: logprob as f32,
-            top,
-            entropy: entropy as f32,
-        },
-    }
-}
-
-fn build_meta(
-    segs: &[Segment<'_>],
-    where_: &[(usize, usize)],
-    block_size: usize,
-    vocab: usize,
-    toggles: &Toggles,
-) -> Meta {
-    let n = where_.len();
-    let max_blocks = segs
-        .iter()
-        .map(|s| s.table.blocks.len())
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let mut data = Vec::with_capacity(7 * n + segs.len() * max_blocks);
-    let ids = data.len();
-    for s in segs {
-        data.extend(s.tokens.iter().map(|&t| t as i32));
-    }
-    let pos = data.len();
-    data.extend(where_.iter().map(|&(_, p)| p as i32));
-    let slots = data.len();
-    data.extend(
-        where_
-            .iter()
-            .map(|&(si, p)| segs[si].table.slot(p, block_size) as i32),
-    );
-    let seg = data.len();
-    data.extend(where_.iter().map(|&(si, _)| si as i32));
-    let ctx = data.len();
-    data.extend(where_.iter().map(|&(_, p)| p as i32 + 1));
-    let hide = data.len();
-    data.extend(where_.iter().map(|&(si, p)| {
-        let s = &segs[si];
-        chunk_boundary_hidden(s.fault_chunk_boundary, s.table.len, p).map_or(-1, |h| h as i32)
-    }));
-    // A block table as one row of `max_blocks` entries, padded with block 0 (never read).
-    let push_table = |data: &mut Vec<i32>, s: &Segment<'_>| {
-        data.extend(s.table.blocks.iter().map(|&b| b as i32));
-        data.extend(std::iter::repeat_n(0, max_blocks - s.table.blocks.len()));
-    };
-    let tables = data.len();
-    for s in segs {
-        push_table(&mut data, s);
-    }
-    let logit_rows = data.len();
-    let mut t0 = 0usize;
-    for s in segs {
-        data.extend(s.logit_rows().map(|r| (t0 + r) as i32));
-        t0 += s.tokens.len();
-    }
-    let n_logit_rows = data.len() - logit_rows;
-    let decode_rows = data.len();
-    // Decode rows get their own kernel exactly when decode differs from prefill.
-    if !toggles.decode_matches_prefill() {
-        data.extend(
-            where_
-                .iter()
-                .enumerate()
-                .filter(|(_, &(si, _))| segs[si].decode)
-                .map(|(t, _)| t as i32),
-        );
-    }
-    let n_decode_rows = data.len() - decode_rows;
-    // The other rows, which the plain attention kernel serves when the decode rows have their
-    // own kernel.
-    let other_rows = data.len();
-    if n_decode_rows > 0 {
-        data.extend(
-            where_
-                .iter()
-                .enumerate()
-                .filter(|(_, &(si, _))| !segs[si].decode)
-                .map(|(t, _)| t as i32),
-        );
-    }
-    let n_other_rows = data.len() - other_rows;
-    let decode_tables = data.len();
-    let dec: Vec<usize> = data[decode_rows..decode_rows + n_decode_rows]
-        .iter()
-        .map(|&t| t as usize)
-        .collect();
-    for &t in &dec {
-        push_table(&mut data, &segs[where_[t].0]);
-    }
-    let decode_ctx = data.len();
-    data.extend(dec.iter().map(|&t| where_[t].1 as i32 + 1));
-    let (mut picked, mut chosen, mut pick_k, mut row) = (Vec::new(), Vec::new(), 1, 0);
-    for s in segs {
-        if let WantLogits::Pick(p) = s.want {
-            if device_pick(&p, vocab) {
-                picked.push(row as i32);
-                chosen.push(p.token.map_or(-1, |t| t as i32));
-                pick_k = pick_k.max(p.k);
-            }
-        }
-        row += s.logit_rows().len();
-    }
-    let pick_rows = data.len();
-    data.extend(&picked);
-    let pick_chosen = data.len();
-    data.extend(&chosen);
-    Meta {
-        data,
-        ids,
-        pos,
-        slots,
-        seg,
-        ctx,
-        hide,
-        tables,
-        max_blocks,
-        logit_rows,
-        n_logit_rows,
-        decode_rows,
-        n_decode_rows,
-        other_rows,
-        n_other_rows,
-        decode_tables,
-        decode_ctx,
-        pick_rows,
-        pick_chosen,
-        n_picks: picked.len(),
-        pick_k,
     }
 }
 
@@ -820,6 +722,7 @@ impl Inner {
             xb: DevBuf::new(ctx, n * h.max(q_dim).max(inter) * 2)?,
         });
         self.scratch.tokens = n;
+        self.scratch.generation += 1;
         Ok(())
     }
 }
@@ -854,90 +757,240 @@ impl Backend for CudaBackend {
         toggles: &Toggles,
     ) -> Result<Vec<Logits>> {
         let cfg = &self.cfg;
-        let context_len = self.context_len;
         let bs = pool.block_size();
-        let where_ = batch_positions(cfg, context_len, bs, segs)?;
-        let n = where_.len();
-        if n == 0 {
+        let where_ = batch_positions(cfg, self.context_len, bs, segs)?;
+        if where_.is_empty() {
             return Ok(segs.iter().map(|_| Logits::Rows(Vec::new())).collect());
         }
         let mut inner = self
             .inner
             .lock()
             .map_err(|_| Error::Device("the CUDA backend's lock was poisoned".into()))?;
+        let inner = &mut *inner;
         self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
         let kv = pool.device_mut()?;
-        let meta = build_meta(segs, &where_, bs, cfg.vocab_size, toggles);
-        inner.ensure_scratch(&self.ctx, cfg, n)?;
-        let inner = &mut *inner;
-        let meta_ptr = ensure(&mut inner.scratch.meta, &self.ctx, meta.data.len() * 4)?;
+        let pad = graph_pad(segs, toggles);
+        let pass = inner.prepare(&self.ctx, cfg, segs, &where_, bs, toggles, pad)?;
         // SAFETY: the meta buffer holds at least `meta.data.len()` i32s.
-        unsafe { dr::memcpy_htod_async(meta_ptr, &meta.data, inner.stream.cu_stream()) }
+        unsafe { dr::memcpy_htod_async(pass.meta_ptr, &pass.meta.data, inner.stream.cu_stream()) }
             .map_err(|e| dev_err("uploading batch indices", e))?;
-        let mi = |off: usize| meta_ptr + (off * 4) as u64;
+        match pad {
+            None => inner.record(cfg, kv, &pass)?,
+            Some(pad) => inner.replay(cfg, kv, &pass, pad, toggles)?,
+        }
+        for sg in segs.iter_mut() {
+            sg.table.len += sg.tokens.len();
+        }
+        inner.collect(segs, &pass, cfg.vocab_size)
+    }
+}
 
+/// Everything one pass's launches read, fixed before the first of them: a captured graph
+/// replays exactly these addresses and shapes.
+struct Pass {
+    meta: Meta,
+    meta_ptr: u64,
+    block_size: usize,
+    matmul: Precision,
+    scale: f32,
+    kv_mode: usize,
+    /// Attention rounds to bf16 in prefill rows / in decode rows.
+    attn_bf16: usize,
+    decode_bf16: usize,
+    /// `decode_topk`: the selection size, its scores buffer and row stride.
+    topk: Option<(usize, u64, usize)>,
+    /// The mma decode kernel's buffers and split geometry.
+    mma: Option<MmaPass>,
+    logits: u64,
+    /// Token picking: statistics, candidates, results; chunks per row.
+    pick: Option<(u64, u64, u64, usize)>,
+}
+
+struct MmaPass {
+    q_dec: u64,
+    o_dec: u64,
+    partial_out: u64,
+    partial_ml: u64,
+    split_len: usize,
+    max_splits: usize,
+}
+
+impl Inner {
+    /// Builds the pass's indices and makes sure every buffer it needs exists.
+    #[allow(clippy::too_many_arguments)]
+    fn prepare(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        cfg: &Config,
+        segs: &[Segment<'_>],
+        where_: &[(usize, usize)],
+        bs: usize,
+        toggles: &Toggles,
+        pad: Option<Pad>,
+    ) -> Result<Pass> {
+        let tile_tokens = self
+            .k
+            .prefill
+            .as_ref()
+            .map(|_| kernels::PREFILL_ROWS / (cfg.num_heads / cfg.num_kv_heads))
+            .filter(|&t| t > 0);
+        let meta = build_meta(segs, where_, bs, cfg.vocab_size, toggles, pad, tile_tokens);
+        let rows = meta.rows;
+        self.ensure_scratch(ctx, cfg, rows)?;
+        let (hd, nh, nkv) = (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
+        let q_dim = nh * hd;
+        let sms = self.sms;
+        let sc = &mut self.scratch;
+        let g = &mut sc.generation;
+        let meta_ptr = ensure(&mut sc.meta, ctx, meta.data.len() * 4, g)?;
+        // The longest context a decode row may have: the real one, or the graph's capacity.
+        let decode_ctx = &meta.data[meta.decode_ctx..meta.decode_ctx + meta.n_decode_rows];
+        let max_len = match pad {
+            Some(p) => p.max_blocks * bs,
+            None => decode_ctx.iter().map(|&c| c as usize).max().unwrap_or(1),
+        };
+        let nr = meta.n_decode_rows;
+        let topk = match (toggles.decode_topk, nr) {
+            (Some(k), 1..) => {
+                let stride = max_len.max(1);
+                let scores = ensure(&mut sc.scores, ctx, nr * nh * stride * 4, g)?;
+                Some((k.get(), scores, stride))
+            }
+            _ => None,
+        };
+        let mma_shape_ok = matches!(hd, 64 | 128) && nh / nkv <= 16 && bs.is_multiple_of(16);
+        let mma = if toggles.attn_decode == AttnDecode::MmaBf16
+            && topk.is_none()
+            && mma_shape_ok
+            && nr > 0
+        {
+            let (split_len, max_splits) = split_rule(nr, nkv, max_len, sms);
+            Some(MmaPass {
+                q_dec: ensure(&mut sc.q_dec, ctx, nr * q_dim * 4, g)?,
+                o_dec: ensure(&mut sc.o_dec, ctx, nr * q_dim * 4, g)?,
+                partial_out: ensure(&mut sc.partial_out, ctx, nr * nh * max_splits * hd * 4, g)?,
+                partial_ml: ensure(&mut sc.partial_ml, ctx, nr * nh * max_splits * 2 * 4, g)?,
+                split_len,
+                max_splits,
+            })
+        } else {
+            None
+        };
+        let vocab = cfg.vocab_size;
+        let r = meta.n_logit_rows;
+        let logits = if r > 0 {
+            ensure(&mut sc.logits, ctx, r * vocab * 4, g)?
+        } else {
+            0
+        };
+        let pick = if meta.n_picks > 0 {
+            let (p, k, chunks) = (meta.n_picks, meta.pick_k, vocab.div_ceil(PICK_CHUNK));
+            Some((
+                ensure(&mut sc.pick_stats, ctx, p * chunks * 3 * 8, g)?,
+                ensure(&mut sc.pick_top, ctx, p * chunks * k * 8, g)?,
+                ensure(&mut sc.pick_out, ctx, p * pick_words(k) * 4, g)?,
+                chunks,
+            ))
+        } else {
+            None
+        };
+        Ok(Pass {
+            meta,
+            meta_ptr,
+            block_size: bs,
+            matmul: toggles.matmul,
+            scale: 1.0 / (hd as f32).sqrt(),
+            kv_mode: match toggles.kv_dtype {
+                KvDtype::F32 => 0,
+                KvDtype::Bf16 => 1,
+                KvDtype::Fp8E4m3 => 2,
+            },
+            attn_bf16: usize::from(toggles.attention_bf16(false)),
+            decode_bf16: usize::from(toggles.attention_bf16(true)),
+            topk,
+            mma,
+            logits,
+            pick,
+        })
+    }
+
+    /// Runs a graph pass: replays the graph captured for this shape, capturing it first when
+    /// there is none (captured work does not run, so the first replay is the computation).
+    fn replay(
+        &mut self,
+        cfg: &Config,
+        kv: &DeviceKv,
+        pass: &Pass,
+        pad: Pad,
+        toggles: &Toggles,
+    ) -> Result<()> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for b in kv.k.iter().chain(&kv.v) {
+            b.ptr.hash(&mut h);
+        }
+        let key = GraphKey {
+            pad,
+            toggles: *toggles,
+            pick_k: pass.meta.pick_k,
+            kv: h.finish(),
+            generation: self.scratch.generation,
+        };
+        if !self.graphs.contains_key(&key) {
+            // Graphs of older buffers can never match again.
+            let generation = self.scratch.generation;
+            self.graphs.retain(|k, _| k.generation == generation);
+            if self.graphs.len() >= GRAPH_CACHE {
+                self.graphs.clear();
+            }
+            use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| dev_err("starting a CUDA graph capture", e))?;
+            let recorded = self.record(cfg, kv, pass);
+            // End the capture whatever happened, so the stream is usable again.
+            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            recorded?;
+            let graph = graph
+                .map_err(|e| dev_err("capturing a decode step as a CUDA graph", e))?
+                .ok_or_else(|| Error::Device("a CUDA graph capture recorded nothing".into()))?;
+            self.graphs.insert(key, Graph(graph));
+        }
+        self.graphs
+            .get(&key)
+            .ok_or_else(|| Error::Device("a captured CUDA graph went missing".into()))?
+            .0
+            .launch()
+            .map_err(|e| dev_err("launching a CUDA graph", e))
+    }
+
+    /// Launches the whole pass on the stream: embedding, layers, final norm, head, picks. Nothing
+    /// here copies to or from the host, allocates or synchronizes, so it can be captured.
+    fn record(&self, cfg: &Config, kv: &DeviceKv, pass: &Pass) -> Result<()> {
+        let meta = &pass.meta;
+        let n = meta.rows;
+        let mi = |off: usize| pass.meta_ptr + (off * 4) as u64;
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let (nh, nkv) = (cfg.num_heads, cfg.num_kv_heads);
         let (q_dim, inter) = (nh * hd, cfg.intermediate_size);
-        let pm = toggles.matmul;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let attn_bf16 = usize::from(toggles.attention_bf16(false));
-        let kv_mode = match toggles.kv_dtype {
-            KvDtype::F32 => 0,
-            KvDtype::Bf16 => 1,
-            KvDtype::Fp8E4m3 => 2,
-        };
-        let topk = toggles.decode_topk.map(|k| k.get());
-        let decode_mma = toggles.attn_decode == AttnDecode::MmaBf16;
-        let scores_stride = where_.iter().map(|&(_, p)| p + 1).max().unwrap_or(1);
-        let scores_ptr = match (topk, meta.n_decode_rows) {
-            (Some(_), rows) if rows > 0 => ensure(
-                &mut inner.scratch.scores,
-                &self.ctx,
-                rows * nh * scores_stride * 4,
-            )?,
-            _ => 0,
-        };
-        // The mma decode kernel's shapes, split rule and buffers.
-        let mma_shape_ok = matches!(hd, 64 | 128) && nh / nkv <= 16 && bs.is_multiple_of(16);
-        let (mut q_dec, mut o_dec, mut partial_out, mut partial_ml) = (0, 0, 0, 0);
-        let (mut split_len, mut max_splits) = (0, 0);
-        if decode_mma && topk.is_none() && mma_shape_ok && meta.n_decode_rows > 0 {
-            let nr = meta.n_decode_rows;
-            let max_len = meta.data[meta.decode_ctx..meta.decode_ctx + nr]
-                .iter()
-                .map(|&c| c as usize)
-                .max()
-                .unwrap_or(1);
-            (split_len, max_splits) = split_rule(nr, nkv, max_len, inner.sms);
-            let sc = &mut inner.scratch;
-            q_dec = ensure(&mut sc.q_dec, &self.ctx, nr * q_dim * 4)?;
-            o_dec = ensure(&mut sc.o_dec, &self.ctx, nr * q_dim * 4)?;
-            partial_out = ensure(
-                &mut sc.partial_out,
-                &self.ctx,
-                nr * nh * max_splits * hd * 4,
-            )?;
-            partial_ml = ensure(&mut sc.partial_ml, &self.ctx, nr * nh * max_splits * 2 * 4)?;
-        }
-        let Some(b) = inner.scratch.bufs.as_ref() else {
+        let (bs, pm) = (pass.block_size, pass.matmul);
+        let Some(b) = self.scratch.bufs.as_ref() else {
             return Err(Error::Device("scratch buffers missing".into()));
         };
         let (x, xn, q, k, v, att, tmp, g, u, xb) = (
             b.x.ptr, b.xn.ptr, b.q.ptr, b.k.ptr, b.v.ptr, b.att.ptr, b.tmp.ptr, b.g.ptr, b.u.ptr,
             b.xb.ptr,
         );
-        let s = &inner.stream;
-        let kn = &inner.k;
+        let s = &self.stream;
+        let kn = &self.k;
         let elementwise = (n * h).div_ceil(256);
-
         Args::new()
             .p(x)
-            .p(inner.embed.ptr)
+            .p(self.embed.ptr)
             .p(mi(meta.ids))
             .i(h)
             .launch(s, &kn.embed_gather, (n, 1), 256)?;
-        for (li, layer) in inner.layers.iter().enumerate() {
+        for (li, layer) in self.layers.iter().enumerate() {
             Args::new()
                 .p(xn)
                 .p(x)
@@ -945,15 +998,15 @@ impl Backend for CudaBackend {
                 .i(h)
                 .f(cfg.rms_norm_eps)
                 .launch(s, &kn.rms_norm, (n, 1), 256)?;
-            let xin = inner.gemm_input(xn, n * h, xb, pm)?;
-            inner.linear(&layer.q, xin, n, q, pm)?;
-            inner.linear(&layer.k, xin, n, k, pm)?;
-            inner.linear(&layer.v, xin, n, v, pm)?;
+            let xin = self.gemm_input(xn, n * h, xb, pm)?;
+            self.linear(&layer.q, xin, n, q, pm)?;
+            self.linear(&layer.k, xin, n, k, pm)?;
+            self.linear(&layer.v, xin, n, v, pm)?;
             for (buf, heads) in [(q, nh), (k, nkv)] {
                 Args::new()
                     .p(buf)
                     .p(mi(meta.pos))
-                    .p(inner.inv_freq.ptr)
+                    .p(self.inv_freq.ptr)
                     .i(heads)
                     .i(hd)
                     .launch(s, &kn.rope, (n, 1), 256)?;
@@ -967,7 +1020,7 @@ impl Backend for CudaBackend {
                 .p(mi(meta.slots))
                 .i(nkv)
                 .i(hd)
-                .i(kv_mode)
+                .i(pass.kv_mode)
                 .launch(s, &kn.kv_write, (n, nkv), hd.div_ceil(32) * 32)?;
             // The arguments the SIMT attention kernels share: where each token's context is, and
             // the head shapes.
@@ -979,89 +1032,98 @@ impl Backend for CudaBackend {
                     .p(mi(meta.hide))
                     .p(rows)
             };
-            let heads = |a: Args, bf16: usize| a.i(nh).i(nkv).i(hd).i(bs).f(scale).i(bf16);
+            let heads = |a: Args, bf16: usize| a.i(nh).i(nkv).i(hd).i(bs).f(pass.scale).i(bf16);
             let attention = |rows: u64, n_rows: usize, scores: u64, stride: usize, bf16: usize| {
                 let a = context(Args::new().p(att).p(q).p(kp).p(vp), rows);
                 heads(a.p(scores).i(stride), bf16).launch(s, &kn.attention, (n_rows, nh), 128)
             };
-            if meta.n_decode_rows == 0 {
-                attention(0, n, 0, 0, attn_bf16)?;
-            } else if meta.n_other_rows > 0 {
-                attention(mi(meta.other_rows), meta.n_other_rows, 0, 0, attn_bf16)?;
+            if let (Some(f), 1..) = (&kn.prefill, meta.n_tiles) {
+                // Prompt chunks through the tiled kernel (same arguments as `attention`, with
+                // the tile list where it takes rows and scores).
+                let a = context(Args::new().p(att).p(q).p(kp).p(vp), mi(meta.tiles));
+                heads(a, pass.attn_bf16).launch_3d(
+                    s,
+                    f,
+                    (meta.n_tiles * nkv, 1, 1),
+                    256,
+                    kernels::prefill_smem(hd),
+                )?;
+            }
+            if meta.n_simt_rows > 0 {
+                attention(mi(meta.simt_rows), meta.n_simt_rows, 0, 0, pass.attn_bf16)?;
             }
             // Decode steps recomputed by their own kernel settings: bf16 operands for
             // attn_decode=mma-bf16 (the SIMT kernel with the tensor-core kernel's roundings), and
             // the sparse top-k selection.
-            let decode_bf16 = usize::from(toggles.attention_bf16(true));
             let (rows, nr) = (mi(meta.decode_rows), meta.n_decode_rows);
-            if let (Some(top_k), true) = (topk, scores_ptr != 0) {
-                let a = context(Args::new().p(scores_ptr).i(scores_stride).p(q).p(kp), rows);
-                heads(a, decode_bf16).launch(s, &kn.attention_scores, (nr, nh), 128)?;
+            if let Some((top_k, scores, stride)) = pass.topk {
+                let a = context(Args::new().p(scores).i(stride).p(q).p(kp), rows);
+                heads(a, pass.decode_bf16).launch(s, &kn.attention_scores, (nr, nh), 128)?;
                 Args::new()
-                    .p(scores_ptr)
-                    .i(scores_stride)
+                    .p(scores)
+                    .i(stride)
                     .p(mi(meta.ctx))
                     .p(rows)
                     .i(nh)
                     .i(top_k)
                     .launch(s, &kn.topk_mask, (nr, nh), 256)?;
-                attention(rows, nr, scores_ptr, scores_stride, decode_bf16)?;
-            } else if decode_mma && nr > 0 && mma_shape_ok {
+                attention(rows, nr, scores, stride, pass.decode_bf16)?;
+            } else if let Some(m) = &pass.mma {
                 // The bf16 tensor-core kernel on the decode rows: gather their queries, attend,
                 // merge the splits, scatter the outputs back.
-                Args::new().p(q_dec).p(q).p(rows).i(q_dim).launch(
+                Args::new().p(m.q_dec).p(q).p(rows).i(q_dim).launch(
                     s,
                     &kn.embed_gather,
                     (nr, 1),
                     256,
                 )?;
                 Args::new()
-                    .p(o_dec)
-                    .p(q_dec)
+                    .p(m.o_dec)
+                    .p(m.q_dec)
                     .p(kp)
                     .p(vp)
                     .p(mi(meta.decode_tables))
                     .p(mi(meta.decode_ctx))
-                    .p(partial_out)
-                    .p(partial_ml)
+                    .p(m.partial_out)
+                    .p(m.partial_ml)
                     .i(meta.max_blocks)
                     .i(nh)
                     .i(nkv)
                     .i(bs)
                     .i(hd)
-                    .i(split_len)
-                    .i(max_splits)
-                    .f(scale)
+                    .i(m.split_len)
+                    .i(m.max_splits)
+                    .f(pass.scale)
                     .launch_3d(
                         s,
                         &kn.decode_mma,
-                        (nkv, nr, max_splits),
+                        (nkv, nr, m.max_splits),
                         128,
                         kernels::DECODE_MMA_SMEM,
                     )?;
                 Args::new()
-                    .p(o_dec)
-                    .p(partial_out)
-                    .p(partial_ml)
+                    .p(m.o_dec)
+                    .p(m.partial_out)
+                    .p(m.partial_ml)
                     .p(mi(meta.decode_ctx))
                     .i(nh)
                     .i(hd)
-                    .i(split_len)
-                    .i(max_splits)
+                    .i(m.split_len)
+                    .i(m.max_splits)
                     .launch(s, &kn.decode_combine, (nh, nr), 256)?;
-                Args::new().p(att).p(o_dec).p(rows).i(q_dim).launch(
+                Args::new().p(att).p(m.o_dec).p(rows).i(q_dim).launch(
                     s,
                     &kn.scatter_rows,
                     (nr, 1),
                     256,
                 )?;
-            } else if decode_mma && nr > 0 {
+            } else if nr > 0 {
                 // Shapes the tensor-core kernel does not take (head_dim other than 64 or 128,
                 // more than 16 query heads per KV head): the SIMT kernel with its roundings.
-                attention(rows, nr, 0, 0, 1)?;
+                attention(rows, nr, 0, 0, pass.decode_bf16)?;
             }
-            let ain = inner.gemm_input(att, n * q_dim, xb, pm)?;
-            inner.linear(&layer.o, ain, n, tmp, pm)?;
+            let ain = self.gemm_input(att, n * q_dim, xb, pm)?;
+            self.linear(&layer.o, ain, n, tmp, pm)?;
             Args::new()
                 .p(x)
                 .p(tmp)
@@ -1074,147 +1136,117 @@ impl Backend for CudaBackend {
                 .i(h)
                 .f(cfg.rms_norm_eps)
                 .launch(s, &kn.rms_norm, (n, 1), 256)?;
-            let xin = inner.gemm_input(xn, n * h, xb, pm)?;
-            inner.linear(&layer.gate, xin, n, g, pm)?;
-            inner.linear(&layer.up, xin, n, u, pm)?;
+            let xin = self.gemm_input(xn, n * h, xb, pm)?;
+            self.linear(&layer.gate, xin, n, g, pm)?;
+            self.linear(&layer.up, xin, n, u, pm)?;
             Args::new().p(g).p(u).i(n * inter).launch(
                 s,
                 &kn.silu_mul,
                 ((n * inter).div_ceil(256), 1),
                 256,
             )?;
-            let gin = inner.gemm_input(g, n * inter, xb, pm)?;
-            inner.linear(&layer.down, gin, n, tmp, pm)?;
+            let gin = self.gemm_input(g, n * inter, xb, pm)?;
+            self.linear(&layer.down, gin, n, tmp, pm)?;
             Args::new()
                 .p(x)
                 .p(tmp)
                 .i(n * h)
                 .launch(s, &kn.add_inplace, (elementwise, 1), 256)?;
         }
-        for sg in segs.iter_mut() {
-            sg.table.len += sg.tokens.len();
-        }
         // Final norm and head on the rows asked for: gather them (into `tmp`), norm, project;
-        // then pick tokens where asked and copy back only what each segment needs.
+        // then pick tokens where asked.
         let r = meta.n_logit_rows;
-        let vocab = cfg.vocab_size;
-        let mut out: Vec<Option<Logits>> = segs.iter().map(|_| None).collect();
-        let mut rows_host: Vec<(usize, Vec<f32>)> = Vec::new();
-        let mut picks_host = vec![0u32; meta.n_picks * pick_words(meta.pick_k)];
-        if r > 0 {
-            Args::new().p(tmp).p(x).p(mi(meta.logit_rows)).i(h).launch(
-                s,
-                &kn.embed_gather,
-                (r, 1),
-                256,
-            )?;
-            Args::new()
-                .p(xn)
-                .p(tmp)
-                .p(inner.norm.ptr)
-                .i(h)
-                .f(cfg.rms_norm_eps)
-                .launch(s, &kn.rms_norm, (r, 1), 256)?;
-            let logits = ensure(&mut inner.scratch.logits, &self.ctx, r * vocab * 4)?;
-            let hin = inner.gemm_input(xn, r * h, xb, pm)?;
-            inner.linear(&inner.head, hin, r, logits, pm)?;
-            if meta.n_picks > 0 {
-                inner.pick(
-                    &self.ctx,
-                    &meta,
-                    logits,
-                    vocab,
-                    mi(meta.pick_rows),
-                    mi(meta.pick_chosen),
-                )?;
-                let sc = &inner.scratch;
-                let dst = sc.pick_out.as_ref().map_or(0, |b| b.ptr);
-                // SAFETY: the buffer holds n_picks × pick_words(pick_k) words.
-                unsafe { dr::memcpy_dtoh_async(&mut picks_host, dst, inner.stream.cu_stream()) }
-                    .map_err(|e| dev_err("downloading picked tokens", e))?;
-            }
-            // Rows for the segments that sample on the host (or keep more alternatives than the
-            // device picks), each segment's rows contiguous in the logits buffer.
-            let mut at = 0usize;
-            for (i, sg) in segs.iter().enumerate() {
-                let rows = sg.logit_rows().len();
-                let on_device = matches!(sg.want, WantLogits::Pick(p) if device_pick(&p, vocab));
-                if rows > 0 && !on_device {
-                    let mut host = vec![0.0f32; rows * vocab];
-                    let src = logits + (at * vocab * 4) as u64;
-                    // SAFETY: rows at..at+rows lie inside the r × vocab logits buffer.
-                    unsafe { dr::memcpy_dtoh_async(&mut host, src, inner.stream.cu_stream()) }
-                        .map_err(|e| dev_err("downloading logits", e))?;
-                    rows_host.push((i, host));
-                }
-                at += rows;
-            }
+        if r == 0 {
+            return Ok(());
         }
-        inner
-            .stream
+        let vocab = cfg.vocab_size;
+        Args::new().p(tmp).p(x).p(mi(meta.logit_rows)).i(h).launch(
+            s,
+            &kn.embed_gather,
+            (r, 1),
+            256,
+        )?;
+        Args::new()
+            .p(xn)
+            .p(tmp)
+            .p(self.norm.ptr)
+            .i(h)
+            .f(cfg.rms_norm_eps)
+            .launch(s, &kn.rms_norm, (r, 1), 256)?;
+        let hin = self.gemm_input(xn, r * h, xb, pm)?;
+        self.linear(&self.head, hin, r, pass.logits, pm)?;
+        if let Some((stats, top, out, chunks)) = pass.pick {
+            let (p, k) = (meta.n_picks, meta.pick_k);
+            Args::new()
+                .p(pass.logits)
+                .i(vocab)
+                .p(mi(meta.pick_rows))
+                .i(k)
+                .p(stats)
+                .p(top)
+                .launch(s, &kn.pick_partial, (p, chunks), 256)?;
+            Args::new()
+                .p(pass.logits)
+                .i(vocab)
+                .p(mi(meta.pick_rows))
+                .p(mi(meta.pick_chosen))
+                .i(k)
+                .i(chunks)
+                .p(stats)
+                .p(top)
+                .p(out)
+                .launch(s, &kn.pick_finish, (p, 1), 256)?;
+        }
+        Ok(())
+    }
+
+    /// Copies back what each segment asked for (picked tokens, or whole rows) and waits for the
+    /// pass to finish.
+    fn collect(&self, segs: &[Segment<'_>], pass: &Pass, vocab: usize) -> Result<Vec<Logits>> {
+        let meta = &pass.meta;
+        let stream = self.stream.cu_stream();
+        let words = pick_words(meta.pick_k);
+        let mut picks = vec![0u32; meta.n_picks * words];
+        if let Some((_, _, out, _)) = pass.pick {
+            // SAFETY: the buffer holds n_picks × pick_words(pick_k) words.
+            unsafe { dr::memcpy_dtoh_async(&mut picks, out, stream) }
+                .map_err(|e| dev_err("downloading picked tokens", e))?;
+        }
+        // Rows for the segments that sample on the host (or keep more alternatives than the
+        // device picks), each segment's rows contiguous in the logits buffer.
+        let mut rows: Vec<Option<Vec<f32>>> = segs.iter().map(|_| None).collect();
+        let mut at = 0usize;
+        for (i, sg) in segs.iter().enumerate() {
+            let n = sg.logit_rows().len();
+            if n > 0 && meta.pick_slot[i].is_none() {
+                let mut host = vec![0.0f32; n * vocab];
+                let src = pass.logits + (at * vocab * 4) as u64;
+                // SAFETY: rows at..at+n lie inside the logits buffer.
+                unsafe { dr::memcpy_dtoh_async(&mut host, src, stream) }
+                    .map_err(|e| dev_err("downloading logits", e))?;
+                rows[i] = Some(host);
+            }
+            at += n;
+        }
+        self.stream
             .synchronize()
             .map_err(|e| dev_err("forward pass", e))?;
-        for (i, host) in rows_host {
-            out[i] = Some(match segs[i].want {
-                WantLogits::Pick(p) => Logits::pick(&host, p),
-                _ => Logits::Rows(host),
-            });
-        }
-        let mut words = picks_host.chunks_exact(pick_words(meta.pick_k).max(1));
-        for (i, sg) in segs.iter().enumerate() {
-            if let WantLogits::Pick(p) = sg.want {
-                if device_pick(&p, vocab) {
-                    let w = words
-                        .next()
-                        .ok_or_else(|| Error::Device("a picked token is missing".into()))?;
-                    out[i] = Some(parse_pick(w, p.k));
-                }
-            }
-        }
-        Ok(out
-            .into_iter()
-            .map(|o| o.unwrap_or(Logits::Rows(Vec::new())))
+        Ok(segs
+            .iter()
+            .zip(rows)
+            .enumerate()
+            .map(|(i, (sg, host))| match (meta.pick_slot[i], host) {
+                (Some(slot), _) => parse_pick(
+                    &picks[slot * words..(slot + 1) * words],
+                    device_pick(sg.want, vocab).map_or(0, |p| p.k),
+                ),
+                (None, Some(host)) => match sg.want {
+                    WantLogits::Pick(p) => Logits::pick(&host, p),
+                    _ => Logits::Rows(host),
+                },
+                (None, None) => Logits::Rows(Vec::new()),
+            })
             .collect())
-    }
-}
-
-impl Inner {
-    /// Picks tokens on the device for the meta's picked rows of `logits`, into `pick_out`.
-    fn pick(
-        &mut self,
-        ctx: &Arc<CudaContext>,
-        meta: &Meta,
-        logits: u64,
-        vocab: usize,
-        rows: u64,
-        chosen: u64,
-    ) -> Result<()> {
-        let (p, k) = (meta.n_picks, meta.pick_k);
-        let chunks = vocab.div_ceil(PICK_CHUNK);
-        let sc = &mut self.scratch;
-        let stats = ensure(&mut sc.pick_stats, ctx, p * chunks * 3 * 8)?;
-        let top = ensure(&mut sc.pick_top, ctx, p * chunks * k * 8)?;
-        let out = ensure(&mut sc.pick_out, ctx, p * pick_words(k) * 4)?;
-        let s = &self.stream;
-        Args::new()
-            .p(logits)
-            .i(vocab)
-            .p(rows)
-            .i(k)
-            .p(stats)
-            .p(top)
-            .launch(s, &self.k.pick_partial, (p, chunks), 256)?;
-        Args::new()
-            .p(logits)
-            .i(vocab)
-            .p(rows)
-            .p(chosen)
-            .i(k)
-            .i(chunks)
-            .p(stats)
-            .p(top)
-            .p(out)
-            .launch(s, &self.k.pick_finish, (p, 1), 256)
     }
 }
 
@@ -1238,81 +1270,5 @@ mod tests {
         // Batch 1 at 32k: long contexts are spread over about two blocks per multiprocessor.
         let (_, splits) = split_rule(1, 8, 32768, 132);
         assert!(splits * 8 >= 132, "{splits} splits leave the GPU idle");
-    }
-
-    #[test]
-    fn meta_lists_logit_rows_decode_rows_and_hidden_positions() {
-        let mut t1 = crate::model::BlockTable {
-            blocks: vec![5, 2],
-            len: 16,
-        };
-        let mut t2 = crate::model::BlockTable {
-            blocks: vec![7],
-            len: 3,
-        };
-        let (a, b) = ([1u32, 2, 3], [9u32]);
-        let segs = [
-            Segment {
-                tokens: &a,
-                table: &mut t1,
-                decode: false,
-                want: WantLogits::All,
-                fault_chunk_boundary: true,
-            },
-            Segment {
-                tokens: &b,
-                table: &mut t2,
-                decode: true,
-                want: WantLogits::Pick(Pick {
-                    k: 5,
-                    token: Some(4),
-                }),
-                fault_chunk_boundary: false,
-            },
-        ];
-        let where_ = [(0, 16), (0, 17), (0, 18), (1, 3)];
-        let toggles: Toggles = "attn_decode=mma-bf16".parse().unwrap();
-        let m = build_meta(&segs, &where_, 16, 1000, &toggles);
-        let d = &m.data;
-        assert_eq!(&d[m.ids..m.ids + 4], &[1, 2, 3, 9]);
-        // Position 16 of the first sequence is slot 0 of block 2; position 3 of the second is
-        // slot 3 of block 7.
-        assert_eq!(&d[m.slots..m.slots + 4], &[32, 33, 34, 115]);
-        assert_eq!(&d[m.ctx..m.ctx + 4], &[17, 18, 19, 4]);
-        // The chunk-boundary fault hides position 15 from the chunk's first token only.
-        assert_eq!(&d[m.hide..m.hide + 4], &[15, -1, -1, -1]);
-        assert_eq!(m.max_blocks, 2);
-        assert_eq!(&d[m.tables..m.tables + 4], &[5, 2, 7, 0]);
-        assert_eq!(
-            &d[m.logit_rows..m.logit_rows + m.n_logit_rows],
-            &[0, 1, 2, 3]
-        );
-        assert_eq!(&d[m.decode_rows..m.decode_rows + m.n_decode_rows], &[3]);
-        assert_eq!(&d[m.other_rows..m.other_rows + m.n_other_rows], &[0, 1, 2]);
-        assert_eq!(&d[m.decode_tables..m.decode_tables + 2], &[7, 0]);
-        assert_eq!(d[m.decode_ctx], 4);
-        // The second segment's token is picked on the device: its logit row is the fourth.
-        assert_eq!((m.n_picks, m.pick_k), (1, 5));
-        assert_eq!((d[m.pick_rows], d[m.pick_chosen]), (3, 4));
-    }
-
-    #[test]
-    fn picks_parse_as_the_host_summary_reads() {
-        let lse = 2.5f64;
-        let mut w = vec![0u32; pick_words(3)];
-        w[..2].copy_from_slice(&[lse.to_bits() as u32, (lse.to_bits() >> 32) as u32]);
-        let ent = 1.25f64;
-        w[2..4].copy_from_slice(&[ent.to_bits() as u32, (ent.to_bits() >> 32) as u32]);
-        w[4] = 7;
-        w[5] = 2.0f32.to_bits();
-        w[6..].copy_from_slice(&[7, 2.0f32.to_bits(), 3, 1.0f32.to_bits(), u32::MAX, 0]);
-        let Logits::Picked { token, summary } = parse_pick(&w, 3) else {
-            panic!()
-        };
-        assert_eq!(token, 7);
-        assert!((summary.logprob - (2.0 - 2.5)).abs() < 1e-7);
-        assert_eq!(summary.entropy, 1.25);
-        // The third alternative lies past the vocabulary: dropped.
-        assert_eq!(summary.top, vec![(7, -0.5), (3, -1.5)]);
     }
 }
