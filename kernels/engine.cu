@@ -79,16 +79,25 @@ extern "C" __global__ void embed_gather(float* out, const float* table, const un
     for (int i = threadIdx.x; i < h; i += blockDim.x) o[i] = row[i];
 }
 
-// RMSNorm per row: x / sqrt(mean(x^2) + eps) * w. grid (rows), block 256.
-extern "C" __global__ void rms_norm(float* out, const float* x, const float* w, int d, float eps) {
+// RMSNorm per row: x / sqrt(mean(x^2) + eps) * w, into out (f32), or with out_bf16 != NULL
+// rounded to bf16 there instead (the next GEMM's input for matmul=bf16: one launch, not two).
+// grid (rows), block 256.
+extern "C" __global__ void rms_norm(float* out, bf16_t* out_bf16, const float* x, const float* w,
+                                    int d, float eps) {
     __shared__ float s32[32];
     const float* xr = x + (size_t)blockIdx.x * d;
-    float* orow = out + (size_t)blockIdx.x * d;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) ss += xr[i] * xr[i];
     ss = block_sum(ss, s32) / (float)d;
     float inv = 1.0f / sqrtf(ss + eps);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv);
+    if (out_bf16) {
+        bf16_t* orow = out_bf16 + (size_t)blockIdx.x * d;
+        for (int i = threadIdx.x; i < d; i += blockDim.x)
+            orow[i] = f32_to_bf16_bits(w[i] * (xr[i] * inv));
+    } else {
+        float* orow = out + (size_t)blockIdx.x * d;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv);
+    }
 }
 
 // Rotary embedding, rotate-half: dimension i pairs with i + hd/2; the angle is pos * inv_freq[i]
@@ -116,13 +125,18 @@ extern "C" __global__ void scatter_rows(float* out, const float* in, const int* 
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
 }
 
-// gate = silu(gate) * up, element-wise.
-extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
+// gate = silu(gate) * up, element-wise; with out_bf16 != NULL the product goes there, rounded to
+// bf16, instead (the down projection's input for matmul=bf16).
+extern "C" __global__ void silu_mul(float* gate, bf16_t* out_bf16, const float* up, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float g = gate[i];
         float s = g / (1.0f + expf(-g));
-        gate[i] = s * up[i];
+        float y = s * up[i];
+        if (out_bf16)
+            out_bf16[i] = f32_to_bf16_bits(y);
+        else
+            gate[i] = y;
     }
 }
 

@@ -47,6 +47,29 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
     echo "== tapedeck generate --device $dev (greedy: the same text on both)"
     "$td" generate --device $dev --prompt "hello there" --max-tokens 16 2>&1 | tail -2
   done
+  # A streamed chat completion from `tapedeck serve --device cuda --model $1`.
+  serve_check() {
+    echo "== tapedeck serve --device cuda --model $1: a streamed chat completion"
+    "$td" serve --device cuda --model "$1" --served-model-name m --listen 127.0.0.1:8399 --db "$out/serve.db" \
+      > "$out/serve.log" 2>&1 &
+    local spid=$!
+    for _ in $(seq 120); do curl -sf 127.0.0.1:8399/v1/models > /dev/null && break; sleep 0.5; done
+    curl -sN 127.0.0.1:8399/v1/chat/completions -H 'content-type: application/json' \
+      -d '{"model":"m","stream":true,"max_tokens":12,"messages":[{"role":"user","content":"hi"}]}' \
+      | tail -5 | cut -c1-300
+    kill $spid; wait $spid 2>/dev/null
+    tail -2 "$out/serve.log"
+  }
+  [ "${ONLY_1B:-0}" = 1 ] || {
+    echo "== replay A/B on the GPU (ci/compare.sh: baseline engine:tiny-qwen2 on cuda vs candidates)"
+    for cand in "cuda_graphs=on" "cuda_graphs=on,attn_decode=mma-bf16" "decode_topk=16"; do
+      timeout 120 bash ci/compare.sh --base-bin "$td" --cand-bin "$td" \
+        --base 'engine:tiny-qwen2?device=cuda' --cand "engine:tiny-qwen2?device=cuda,$cand" \
+        --out "$out/compare-${cand//[=,]/_}" > "$out/compare.log" 2>&1
+      echo "candidate $cand: exit $? (0 pass, 1 fail)"; tail -3 "$out/compare.log"
+    done
+    serve_check tiny-qwen2
+  }
   # Each toggle set as --toggle arguments.
   toggle_args() { local IFS=,; for p in $1; do printf -- '--toggle\n%s\n' "$p"; done; }
   [ "${ONLY_1B:-0}" = 1 ] || for t in "" "cuda_graphs=on"; do
@@ -71,6 +94,10 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
   timeout 240 "$td" bench engine --device cuda --model llama-1b --toggle matmul=bf16 \
     --prompt-len 8192 --gen 4 --concurrency 1 --turns 0 --kv-budget-mib 8192 2>&1 \
     | tee -a "$out/bench-llama-1b.log"
+  serve_check "$HOME/.cache/tapedeck/bench/llama-1b"
+  echo "== llama-1b: CUDA logits against the CPU engine"
+  TAPEDECK_LLAMA1B="$HOME/.cache/tapedeck/bench/llama-1b" timeout 300 "$bin/test-cuda" \
+    cuda_llama_1b --nocapture 2>&1 | grep -E "llama-1b|test result|panicked" | tee -a "$out/test-cuda-llama-1b.log"
   echo "== transformers on the same llama-1b weights"
   timeout 240 python3 bench/cuda/hf_decode.py "$HOME/.cache/tapedeck/bench/llama-1b" 512 64 2>&1 \
     | grep -v Warning | tail -3 | tee -a "$out/bench-llama-1b.log"

@@ -612,3 +612,50 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
         assert!(worst <= bound, "{toggles}: {worst:e} > {bound:e}");
     }
 }
+
+#[test]
+fn cuda_llama_1b_logits_match_the_cpu_engine() {
+    // Full-model check on the Llama-3.2-1B-shaped random bf16 model (16 layers, hidden 2048,
+    // 32/8 heads of 64, 128k vocabulary): prefill and decode logits of the CUDA backend against
+    // the CPU engine, f32 (≤ 1e-4 relative L2) and with the bf16 kernels (≤ 2e-2). The model is
+    // 2.5 GB, so this runs only where it was generated (`tapedeck bench engine --model llama-1b`
+    // writes it; `bench/cuda/run_engine_tests.sh` then sets TAPEDECK_LLAMA1B to its folder).
+    let Some(dir) = std::env::var_os("TAPEDECK_LLAMA1B") else {
+        println!("SKIPPED: set TAPEDECK_LLAMA1B to the llama-1b model folder to run this");
+        return;
+    };
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return;
+    }
+    let load = |device| {
+        Engine::load_with(
+            Path::new(&dir),
+            &EngineOptions {
+                threads: None,
+                device,
+            },
+        )
+        .unwrap()
+    };
+    let (cpu, gpu) = (load(Device::Cpu), load(Device::Cuda(0)));
+    let mut r = rng();
+    let p = tokens(&cpu, 150, &mut r);
+    let d = tokens(&cpu, 6, &mut r);
+    for (toggles, bound) in [
+        ("", 1e-4),
+        ("matmul=bf16,attn_decode=mma-bf16", 2e-2),
+        ("matmul=bf16,attn_decode=mma-bf16,cuda_graphs=on", 2e-2),
+    ] {
+        let t: Toggles = toggles.parse().unwrap();
+        let want = run(&cpu, &p, &d, 64, &t);
+        let got = run(&gpu, &p, &d, 64, &t);
+        let err = worst(&got, &want);
+        println!(
+            "llama-1b [{toggles}] {}+{} tokens, chunks of 64: max rel L2 {err:.2e} (bound {bound:e})",
+            p.len(),
+            d.len()
+        );
+        assert!(err <= bound, "{toggles}: {err:e}");
+    }
+}

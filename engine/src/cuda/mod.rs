@@ -990,15 +990,25 @@ impl Inner {
             .p(mi(meta.ids))
             .i(h)
             .launch(s, &kn.embed_gather, (n, 1), 256)?;
-        for (li, layer) in self.layers.iter().enumerate() {
+        // RMSNorm of `rows` rows of `src`, written as the next GEMM's input: f32 into `xn`, or
+        // rounded to bf16 into `xb` in the same launch. Returns where it went.
+        let norm = |src: u64, w: u64, rows: usize| -> Result<u64> {
+            let (out, out_bf16) = match pm {
+                Precision::F32 => (xn, 0),
+                Precision::Bf16 => (0, xb),
+            };
             Args::new()
-                .p(xn)
-                .p(x)
-                .p(layer.attn_norm.ptr)
+                .p(out)
+                .p(out_bf16)
+                .p(src)
+                .p(w)
                 .i(h)
                 .f(cfg.rms_norm_eps)
-                .launch(s, &kn.rms_norm, (n, 1), 256)?;
-            let xin = self.gemm_input(xn, n * h, xb, pm)?;
+                .launch(s, &kn.rms_norm, (rows, 1), 256)?;
+            Ok(out.max(out_bf16))
+        };
+        for (li, layer) in self.layers.iter().enumerate() {
+            let xin = norm(x, layer.attn_norm.ptr, n)?;
             self.linear(&layer.q, xin, n, q, pm)?;
             self.linear(&layer.k, xin, n, k, pm)?;
             self.linear(&layer.v, xin, n, v, pm)?;
@@ -1129,23 +1139,20 @@ impl Inner {
                 .p(tmp)
                 .i(n * h)
                 .launch(s, &kn.add_inplace, (elementwise, 1), 256)?;
-            Args::new()
-                .p(xn)
-                .p(x)
-                .p(layer.mlp_norm.ptr)
-                .i(h)
-                .f(cfg.rms_norm_eps)
-                .launch(s, &kn.rms_norm, (n, 1), 256)?;
-            let xin = self.gemm_input(xn, n * h, xb, pm)?;
+            let xin = norm(x, layer.mlp_norm.ptr, n)?;
             self.linear(&layer.gate, xin, n, g, pm)?;
             self.linear(&layer.up, xin, n, u, pm)?;
-            Args::new().p(g).p(u).i(n * inter).launch(
-                s,
-                &kn.silu_mul,
-                ((n * inter).div_ceil(256), 1),
-                256,
-            )?;
-            let gin = self.gemm_input(g, n * inter, xb, pm)?;
+            // silu(g)·u, in place in f32 or rounded into `xb` for a bf16 down projection.
+            let gin = match pm {
+                Precision::F32 => g,
+                Precision::Bf16 => xb,
+            };
+            Args::new()
+                .p(g)
+                .p(if gin == xb { xb } else { 0 })
+                .p(u)
+                .i(n * inter)
+                .launch(s, &kn.silu_mul, ((n * inter).div_ceil(256), 1), 256)?;
             self.linear(&layer.down, gin, n, tmp, pm)?;
             Args::new()
                 .p(x)
@@ -1166,14 +1173,7 @@ impl Inner {
             (r, 1),
             256,
         )?;
-        Args::new()
-            .p(xn)
-            .p(tmp)
-            .p(self.norm.ptr)
-            .i(h)
-            .f(cfg.rms_norm_eps)
-            .launch(s, &kn.rms_norm, (r, 1), 256)?;
-        let hin = self.gemm_input(xn, r * h, xb, pm)?;
+        let hin = norm(tmp, self.norm.ptr, r)?;
         self.linear(&self.head, hin, r, pass.logits, pm)?;
         if let Some((stats, top, out, chunks)) = pass.pick {
             let (p, k) = (meta.n_picks, meta.pick_k);
