@@ -297,7 +297,7 @@ impl Engine {
                 let mut logits = self.prefill(&tokens[..from], &mut cache, pick(from), toggles)?;
                 for i in from..tokens.len() {
                     let this = std::mem::replace(&mut logits, Logits::Rows(Vec::new()));
-                    scores.push(picked_summary(this, tokens[i], top_k)?);
+                    scores.push(this.summary_of(tokens[i], top_k)?);
                     if i + 1 < tokens.len() {
                         logits = self.forward_one(
                             &tokens[i..i + 1],
@@ -311,14 +311,5 @@ impl Engine {
             }
         }
         Ok(scores)
-    }
-}
-
-/// The summary of `token` from a forward pass's result, whichever form it came back in.
-fn picked_summary(logits: Logits, token: u32, k: usize) -> Result<LogitsSummary> {
-    match logits {
-        Logits::Picked { summary, .. } => Ok(summary),
-        Logits::Rows(row) if !row.is_empty() => Ok(summarize(&row, token, k)),
-        Logits::Rows(_) => Err(Error::Device("a forward pass returned no logits".into())),
     }
 }

@@ -245,68 +245,61 @@ struct Kernels {
     prefill: Option<CudaFunction>,
 }
 
+/// A compiled kernel file on the device.
+fn load_module(
+    ctx: &Arc<CudaContext>,
+    src: &kernels::KernelSource,
+    arch: &str,
+) -> Result<Arc<cudarc::driver::CudaModule>> {
+    ctx.load_module(cudarc::nvrtc::Ptx::from_src(kernels::ptx(src, arch)?))
+        .map_err(|e| dev_err(&format!("loading kernels/{}", src.name), e))
+}
+
+/// An entry point of a loaded module.
+fn load_function(module: &Arc<cudarc::driver::CudaModule>, name: &str) -> Result<CudaFunction> {
+    module
+        .load_function(name)
+        .map_err(|e| dev_err(&format!("kernel {name}"), e))
+}
+
+/// An entry point that takes `smem` bytes of dynamic shared memory (above the default 48 KB, so
+/// its limit is raised first).
+fn load_with_smem(
+    module: &Arc<cudarc::driver::CudaModule>,
+    name: &str,
+    smem: usize,
+) -> Result<CudaFunction> {
+    let f = load_function(module, name)?;
+    // SAFETY: a valid function handle; every caller's size is within sm_80+'s 99 KB opt-in limit.
+    unsafe {
+        cudarc::driver::sys::cuFuncSetAttribute(
+            f.cu_function(),
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+    }
+    .result()
+    .map_err(|e| dev_err(&format!("raising {name}'s shared-memory limit"), e))?;
+    Ok(f)
+}
+
 impl Kernels {
     fn load(ctx: &Arc<CudaContext>, arch: &str, head_dim: usize) -> Result<Self> {
-        let ptx = kernels::ptx(&kernels::ENGINE, arch)?;
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(|e| dev_err("loading kernels/engine.cu", e))?;
-        let f = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| dev_err(&format!("kernel {name}"), e))
-        };
-        let mma = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(kernels::ptx(
-                &kernels::DECODE_MMA,
-                arch,
-            )?))
-            .map_err(|e| dev_err("loading kernels/decode_attention_mma.cu", e))?;
-        let decode_mma = mma
-            .load_function("decode_attn_mma_f32kv")
-            .map_err(|e| dev_err("kernel decode_attn_mma_f32kv", e))?;
-        // SAFETY: a valid function handle; the value is within the device's opt-in limit.
-        unsafe {
-            cudarc::driver::sys::cuFuncSetAttribute(
-                decode_mma.cu_function(),
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                kernels::DECODE_MMA_SMEM as i32,
-            )
-        }
-        .result()
-        .map_err(|e| dev_err("raising the mma kernel's shared-memory limit", e))?;
+        let module = load_module(ctx, &kernels::ENGINE, arch)?;
+        let f = |name: &str| load_function(&module, name);
+        let mma = load_module(ctx, &kernels::DECODE_MMA, arch)?;
         let prefill = match head_dim {
-            32 | 64 | 128 => {
-                let module = ctx
-                    .load_module(cudarc::nvrtc::Ptx::from_src(kernels::ptx(
-                        &kernels::PREFILL,
-                        arch,
-                    )?))
-                    .map_err(|e| dev_err("loading kernels/prefill_attention.cu", e))?;
-                let name = format!("prefill_attention_hd{head_dim}");
-                let f = module
-                    .load_function(&name)
-                    .map_err(|e| dev_err(&format!("kernel {name}"), e))?;
-                // SAFETY: a valid function handle; the size is within sm_80+'s opt-in limit.
-                unsafe {
-                    cudarc::driver::sys::cuFuncSetAttribute(
-                        f.cu_function(),
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        kernels::prefill_smem(head_dim) as i32,
-                    )
-                }
-                .result()
-                .map_err(|e| dev_err("raising the prefill kernel's shared-memory limit", e))?;
-                Some(f)
-            }
+            32 | 64 | 128 => Some(load_with_smem(
+                &load_module(ctx, &kernels::PREFILL, arch)?,
+                &format!("prefill_attention_hd{head_dim}"),
+                kernels::prefill_smem(head_dim),
+            )?),
             _ => None,
         };
         Ok(Kernels {
             prefill,
-            decode_mma,
-            decode_combine: mma
-                .load_function("decode_attn_combine")
-                .map_err(|e| dev_err("kernel decode_attn_combine", e))?,
+            decode_mma: load_with_smem(&mma, "decode_attn_mma_f32kv", kernels::DECODE_MMA_SMEM)?,
+            decode_combine: load_function(&mma, "decode_attn_combine")?,
             embed_gather: f("embed_gather")?,
             rms_norm: f("rms_norm")?,
             rope: f("rope")?,

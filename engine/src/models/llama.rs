@@ -157,6 +157,15 @@ impl Logits {
         matches!(self, Logits::Rows(r) if r.is_empty())
     }
 
+    /// The summary of `token` (with `k` alternatives), whichever form the result came back in.
+    pub fn summary_of(self, token: u32, k: usize) -> Result<LogitsSummary> {
+        match self {
+            Logits::Picked { summary, .. } => Ok(summary),
+            Logits::Rows(row) if !row.is_empty() => Ok(summarize(&row, token, k)),
+            Logits::Rows(_) => Err(Error::Device("a forward pass returned no logits".into())),
+        }
+    }
+
     /// Reduces one row of logits as `pick` says (the reference for every backend).
     pub fn pick(row: &[f32], pick: Pick) -> Logits {
         let token = pick.token.unwrap_or_else(|| argmax(row));
