@@ -100,24 +100,6 @@ extern "C" __global__ void rms_norm(float* out, bf16_t* out_bf16, const float* x
     }
 }
 
-// Rotary embedding, rotate-half: dimension i pairs with i + hd/2; the angle is pos * inv_freq[i]
-// in f32 as transformers computes it. x (n, heads, hd). grid (n), block 256.
-extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int heads,
-                                int hd) {
-    int half = hd / 2;
-    float p = (float)pos[blockIdx.x];
-    float* row = x + (size_t)blockIdx.x * heads * hd;
-    for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
-        int head = idx / half, i = idx % half;
-        float s, c;
-        sincosf(p * inv_freq[i], &s, &c);
-        float* hp = row + head * hd;
-        float a = hp[i], b = hp[i + half];
-        hp[i] = a * c - b * s;
-        hp[i + half] = b * c + a * s;
-    }
-}
-
 // out[rows[i]] = in[i], rows of `width` floats (the inverse of embed_gather). grid (n), block 256.
 extern "C" __global__ void scatter_rows(float* out, const float* in, const int* rows, int width) {
     const float* src = in + (size_t)blockIdx.x * width;
@@ -158,42 +140,299 @@ extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
     if (i < n) out[i] = f32_to_bf16_bits(in[i]);
 }
 
-// Writes the new tokens' keys and values into the pool at their slots, stored as the cache dtype
-// would hold them (mode 0 f32, 1 bf16, 2 FP8 E4M3 with one amax/448 scale per token and head).
-// The rounded values are also written back to k and v. k, v (n, kv_heads, hd); slots (n), -1 for
-// none.
-// grid (n, kv_heads), block = hd rounded up to 32.
-extern "C" __global__ void kv_write(float* k_pool, float* v_pool, float* k, float* v,
-                                    const int* slots, int kv_heads, int hd, int mode) {
+// ---- Linear layers of a few tokens (small_gemm=gemv, matmul=bf16) ----
+//
+// A decode step multiplies one to a few activation rows by every weight matrix: the work is
+// reading the weights once, at memory bandwidth. cuBLAS treats it as a small GEMM (a few
+// launches per matrix, tiles mostly empty). These kernels give each warp one weight row (one
+// output feature), read in 16-byte loads that bypass L1, and apply it to all n <= GEMV_MAX_ROWS
+// input rows at once (x is small and stays in L1/L2), accumulating in f32 like cuBLAS with bf16
+// operands; several matrices sharing the input (q, k and v) run as one grid. The epilogue does
+// what the separate kernels after a GEMM did (bias, residual add, SiLU·up with bf16 rounding) in
+// the same order, so only the summation order differs from the cuBLAS path.
+#define GEMV_MAX_ROWS 8
+#define GEMV_WARPS 8
+
+__device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
+
+// 16 bytes of weights that are read once: not kept in L1 (the inputs are).
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+// Eight consecutive inputs at element `off` of x as bf16 values: bf16 bits, or f32 rounded to
+// bf16 as f32_to_bf16 rounds them.
+template <bool XF32>
+__device__ __forceinline__ void load_x8(const void* x, size_t off, float v[8]) {
+    if (XF32) {
+        const float4* p = (const float4*)((const float*)x + off);
+        float4 a = p[0], b = p[1];
+        v[0] = round_bf16(a.x), v[1] = round_bf16(a.y), v[2] = round_bf16(a.z);
+        v[3] = round_bf16(a.w), v[4] = round_bf16(b.x), v[5] = round_bf16(b.y);
+        v[6] = round_bf16(b.z), v[7] = round_bf16(b.w);
+    } else {
+        uint4 q = *(const uint4*)((const bf16_t*)x + off);
+        v[0] = bf16_lo(q.x), v[1] = bf16_hi(q.x), v[2] = bf16_lo(q.y), v[3] = bf16_hi(q.y);
+        v[4] = bf16_lo(q.z), v[5] = bf16_hi(q.z), v[6] = bf16_lo(q.w), v[7] = bf16_hi(q.w);
+    }
+}
+
+// acc[r] = x[r] · w for the N input rows, w one weight row of `in` bf16 values (in % 8 == 0,
+// 16-byte aligned); every lane of the warp gets the sums. U loads of 16 bytes in flight per lane.
+template <int N, bool XF32>
+__device__ __forceinline__ void gemv_row(const bf16_t* w, const void* x, int in, int lane,
+                                         float acc[N]) {
+    constexpr int U = N <= 2 ? 8 : 4;
+#pragma unroll
+    for (int r = 0; r < N; r++) acc[r] = 0.0f;
+    const uint4* wr = (const uint4*)w;
+    int chunks = in / 8;
+    for (int base = lane; base < chunks; base += 32 * U) {
+        uint4 q[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = base + 32 * u;
+            q[u] = c < chunks ? load_stream(wr + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = base + 32 * u;
+            if (c >= chunks) break;
+            float wf[8] = {bf16_lo(q[u].x), bf16_hi(q[u].x), bf16_lo(q[u].y), bf16_hi(q[u].y),
+                           bf16_lo(q[u].z), bf16_hi(q[u].z), bf16_lo(q[u].w), bf16_hi(q[u].w)};
+#pragma unroll
+            for (int r = 0; r < N; r++) {
+                float xv[8];
+                load_x8<XF32>(x, (size_t)r * in + (size_t)c * 8, xv);
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[r] = fmaf(wf[j], xv[j], acc[r]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < N; r++) acc[r] = warp_sum(acc[r]);
+}
+
+// One output feature `row` of y (n, out) = x · Wᵀ (+ b), stored or added to y (the residual
+// stream); lane r writes input row r.
+template <int N, bool XF32>
+__device__ __forceinline__ void gemv_feature(const bf16_t* w, const float* b, float* y, int out,
+                                             int row, const void* x, int in, int add, int lane) {
+    float acc[N];
+    gemv_row<N, XF32>(w + (size_t)row * in, x, in, lane, acc);
+    float bias = b ? b[row] : 0.0f;
+#pragma unroll
+    for (int r = 0; r < N; r++) {
+        if (lane == r) {
+            float v = b ? acc[r] + bias : acc[r];
+            float* o = y + (size_t)r * out + row;
+            *o = add ? *o + v : v;
+        }
+    }
+}
+
+template <bool XF32>
+__device__ __forceinline__ void gemv_dispatch(const bf16_t* w, const float* b, float* y, int out,
+                                              int row, const void* x, int n, int in, int add,
+                                              int lane) {
+    switch (n) {
+        case 1: gemv_feature<1, XF32>(w, b, y, out, row, x, in, add, lane); break;
+        case 2: gemv_feature<2, XF32>(w, b, y, out, row, x, in, add, lane); break;
+        case 3: gemv_feature<3, XF32>(w, b, y, out, row, x, in, add, lane); break;
+        case 4: gemv_feature<4, XF32>(w, b, y, out, row, x, in, add, lane); break;
+        case 5: gemv_feature<5, XF32>(w, b, y, out, row, x, in, add, lane); break;
+        case 6: gemv_feature<6, XF32>(w, b, y, out, row, x, in, add, lane); break;
+        case 7: gemv_feature<7, XF32>(w, b, y, out, row, x, in, add, lane); break;
+        default: gemv_feature<8, XF32>(w, b, y, out, row, x, in, add, lane); break;
+    }
+}
+
+// With norm_w != NULL, x is the f32 residual stream (n, in) and the block first computes its
+// RMSNorm into shared memory as bf16 (n * in * 2 bytes of dynamic shared memory), exactly as the
+// rms_norm kernel computes it with 256 threads (same partial sums, same block reduction, same
+// formula), so fusing the norm changes no bit of the GEMV's input. Every block recomputes it (a
+// few KB read from L2), which costs less than a launch.
+__device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, const float* norm_w,
+                                                            float eps, int n, int in) {
+    extern __shared__ uint4 gemv_smem[];
     __shared__ float s32[32];
-    int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
-    if (slots[t] < 0) return;  // a padded row of a graph pass: writes nothing
-    size_t src = ((size_t)t * kv_heads + head) * hd + d;
-    size_t dst = ((size_t)slots[t] * kv_heads + head) * hd + d;
+    bf16_t* xs = (bf16_t*)gemv_smem;
+    for (int r = 0; r < n; r++) {
+        const float* xr = x + (size_t)r * in;
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < in; i += blockDim.x) ss += xr[i] * xr[i];
+        ss = block_sum(ss, s32) / (float)in;
+        float inv = 1.0f / sqrtf(ss + eps);
+        for (int i = threadIdx.x; i < in; i += blockDim.x)
+            xs[(size_t)r * in + i] = f32_to_bf16_bits(norm_w[i] * (xr[i] * inv));
+    }
+    __syncthreads();
+    return xs;
+}
+
+// y_j (n, out_j) = x (n, in) · W_jᵀ (+ b_j) for up to three bf16 matrices W_j (out_j, in) that
+// share the input (out_j = 0 for an unused one); with add != 0, y_j += instead (the residual
+// stream). x: bf16 bits; or f32 when x_f32 (rounded to bf16 as it is read); or with norm_w, f32
+// normalized first (gemv_norm_prologue). n <= GEMV_MAX_ROWS.
+// grid (ceil((out_0 + out_1 + out_2) / GEMV_WARPS)), block 32 * GEMV_WARPS.
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+    gemv_bf16(const void* x, int x_f32, const float* norm_w, float eps, int n, int in, int add,
+              const bf16_t* w0, const float* b0, float* y0, int out0, const bf16_t* w1,
+              const float* b1, float* y1, int out1, const bf16_t* w2, const float* b2, float* y2,
+              int out2) {
+    if (norm_w) {
+        x = gemv_norm_prologue((const float*)x, norm_w, eps, n, in);
+        x_f32 = 0;
+    }
+    int lane = threadIdx.x & 31;
+    int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const bf16_t* w = w0;
+    const float* b = b0;
+    float* y = y0;
+    int out = out0;
+    if (row >= out0) {
+        row -= out0, w = w1, b = b1, y = y1, out = out1;
+        if (row >= out1) {
+            row -= out1, w = w2, b = b2, y = y2, out = out2;
+            if (row >= out2) return;
+        }
+    }
+    if (x_f32)
+        gemv_dispatch<true>(w, b, y, out, row, x, n, in, add, lane);
+    else
+        gemv_dispatch<false>(w, b, y, out, row, x, n, in, add, lane);
+}
+
+template <int N, bool XF32>
+__device__ __forceinline__ void swiglu_feature(const bf16_t* wg, const float* bg,
+                                               const bf16_t* wu, const float* bu, bf16_t* out,
+                                               int inter, int row, const void* x, int in,
+                                               int lane) {
+    float g[N], u[N];
+    gemv_row<N, XF32>(wg + (size_t)row * in, x, in, lane, g);
+    gemv_row<N, XF32>(wu + (size_t)row * in, x, in, lane, u);
+#pragma unroll
+    for (int r = 0; r < N; r++) {
+        if (lane == r) {
+            float gv = bg ? g[r] + bg[row] : g[r];
+            float uv = bu ? u[r] + bu[row] : u[r];
+            // silu_mul's formula.
+            float s = gv / (1.0f + expf(-gv));
+            out[(size_t)r * inter + row] = f32_to_bf16_bits(s * uv);
+        }
+    }
+}
+
+template <bool XF32>
+__device__ __forceinline__ void swiglu_dispatch(const bf16_t* wg, const float* bg,
+                                                const bf16_t* wu, const float* bu, bf16_t* out,
+                                                int inter, int row, const void* x, int n, int in,
+                                                int lane) {
+    switch (n) {
+        case 1: swiglu_feature<1, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
+        case 2: swiglu_feature<2, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
+        case 3: swiglu_feature<3, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
+        case 4: swiglu_feature<4, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
+        case 5: swiglu_feature<5, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
+        case 6: swiglu_feature<6, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
+        case 7: swiglu_feature<7, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
+        default: swiglu_feature<8, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
+    }
+}
+
+// out (n, inter) = bf16(silu(x · Wgᵀ (+ bg)) * (x · Wuᵀ (+ bu))): the gate and up projections
+// and the SiLU·up product in one pass, the product rounded to bf16 (the down projection's input).
+// x as for gemv_bf16 (bf16 bits, f32, or the normalized residual stream). n <= GEMV_MAX_ROWS.
+// grid (ceil(inter / GEMV_WARPS)), block 32 * GEMV_WARPS.
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+    gemv_bf16_swiglu(const void* x, int x_f32, const float* norm_w, float eps, int n, int in,
+                     const bf16_t* wg, const float* bg, const bf16_t* wu, const float* bu,
+                     bf16_t* out, int inter) {
+    if (norm_w) {
+        x = gemv_norm_prologue((const float*)x, norm_w, eps, n, in);
+        x_f32 = 0;
+    }
+    int lane = threadIdx.x & 31;
+    int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= inter) return;
+    if (x_f32)
+        swiglu_dispatch<true>(wg, bg, wu, bu, out, inter, row, x, n, in, lane);
+    else
+        swiglu_dispatch<false>(wg, bg, wu, bu, out, inter, row, x, n, in, lane);
+}
+
+// Rotary embedding of the new tokens' queries and keys, then the write of their keys and values
+// into the pool at their slots, in one launch (what a RoPE kernel followed by a KV-write kernel
+// computes, the same arithmetic, so the same bits).
+//
+// Rotary: rotate-half, dimension i pairs with i + hd/2; the angle is pos * inv_freq[i] in f32 as
+// transformers computes it. Storage: as the cache dtype would hold the values (mode 0 f32, 1 bf16,
+// 2 FP8 E4M3 with one amax/448 scale per token and head); the rounded keys and values are also
+// written back to k and v. q (n, heads, hd), k and v (n, kv_heads, hd), slots (n): -1 for a padded
+// row of a graph pass, which writes nothing to the pool.
+// grid (n, heads + kv_heads): one block per query head, then per KV head; block = hd rounded up to
+// 32 (hd ≤ 256).
+extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_pool,
+                                         float* v_pool, const int* pos, const float* inv_freq,
+                                         const int* slots, int heads, int kv_heads, int hd,
+                                         int mode) {
+    __shared__ float s32[32];
+    __shared__ float rotated[256];
+    int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x, half = hd / 2;
+    bool is_q = h < heads;
+    int kvh = h - heads;
+    float* row = is_q ? q + ((size_t)t * heads + h) * hd : k + ((size_t)t * kv_heads + kvh) * hd;
+    float lo = 0.0f, hi = 0.0f;
+    if (d < half) {
+        float s, c;
+        sincosf((float)pos[t] * inv_freq[d], &s, &c);
+        float a = row[d], b = row[d + half];
+        lo = a * c - b * s;
+        hi = b * c + a * s;
+    }
+    if (is_q) {
+        if (d < half) {
+            row[d] = lo;
+            row[d + half] = hi;
+        }
+        return;
+    }
+    if (d < half) {
+        rotated[d] = lo;
+        rotated[d + half] = hi;
+    }
+    __syncthreads();
     bool live = d < hd;
-    float kv = live ? k[src] : 0.0f;
-    float vv = live ? v[src] : 0.0f;
+    size_t src = ((size_t)t * kv_heads + kvh) * hd + d;
+    float kx = live ? rotated[d] : 0.0f;
+    float vx = live ? v[src] : 0.0f;
     if (mode == 1) {
-        kv = round_bf16(kv);
-        vv = round_bf16(vv);
+        kx = round_bf16(kx);
+        vx = round_bf16(vx);
     } else if (mode == 2) {
-        float ka = block_max(fabsf(kv), s32);
-        float va = block_max(fabsf(vv), s32);
+        float ka = block_max(fabsf(kx), s32);
+        float va = block_max(fabsf(vx), s32);
         if (ka != 0.0f && isfinite(ka)) {
             float sc = ka / 448.0f;
-            kv = round_fp8_e4m3(kv / sc) * sc;
+            kx = round_fp8_e4m3(kx / sc) * sc;
         }
         if (va != 0.0f && isfinite(va)) {
             float sc = va / 448.0f;
-            vv = round_fp8_e4m3(vv / sc) * sc;
+            vx = round_fp8_e4m3(vx / sc) * sc;
         }
     }
-    if (live) {
-        k[src] = kv;
-        v[src] = vv;
-        k_pool[dst] = kv;
-        v_pool[dst] = vv;
-    }
+    if (!live) return;
+    k[src] = kx;
+    v[src] = vx;
+    if (slots[t] < 0) return;
+    size_t dst = ((size_t)slots[t] * kv_heads + kvh) * hd + d;
+    k_pool[dst] = kx;
+    v_pool[dst] = vx;
 }
 
 // Per token of the batch, what attention needs (one int array, see cuda/mod.rs `Meta`):

@@ -4,6 +4,7 @@
 //! become a message and a non-zero exit code.
 
 mod cli_bench;
+mod cli_bench_kernels;
 mod cli_demo;
 mod cli_generate;
 mod cli_replay;
@@ -69,6 +70,8 @@ enum Command {
 enum BenchCommand {
     /// Engine speed: prefill, decode, batched throughput, prefix cache, memory.
     Engine(cli_bench::BenchArgs),
+    /// GPU: the few-token bf16 GEMV kernels against cuBLAS on Llama-3.2-1B's linear layers.
+    Gemv(cli_bench_kernels::GemvBenchArgs),
 }
 
 fn main() {
@@ -98,6 +101,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bisect(args) => exit_with(cli_verdict::bisect(args)?),
         Command::Generate(args) => cli_generate::run(args),
         Command::Bench(BenchCommand::Engine(args)) => cli_bench::run(args),
+        Command::Bench(BenchCommand::Gemv(args)) => cli_bench_kernels::run(args),
         Command::Toggles => {
             print_toggles();
             Ok(())

@@ -81,8 +81,12 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
   if [ -n "${LLAMA1B_TOGGLES:-}" ]; then
     read -ra sets <<< "$LLAMA1B_TOGGLES"
   else
-    sets=("" "matmul=bf16,attn_decode=mma-bf16" "matmul=bf16,attn_decode=mma-bf16,cuda_graphs=on")
+    sets=("" "matmul=bf16,attn_decode=mma-bf16" "matmul=bf16,attn_decode=mma-bf16,cuda_graphs=on"
+      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv"
+      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,cuda_graphs=on")
   fi
+  echo "== bf16 GEMV kernels vs cuBLAS on Llama-3.2-1B's linear layers"
+  timeout 240 "$td" bench gemv --device cuda 2>&1 | tee "$out/bench-gemv.log"
   for t in "${sets[@]}"; do
     echo "== llama-1b on cuda, toggles: ${t:-default}"
     mapfile -t ta < <(toggle_args "$t")
@@ -95,6 +99,19 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
     --prompt-len 8192 --gen 4 --concurrency 1 --turns 0 --kv-budget-mib 8192 2>&1 \
     | tee -a "$out/bench-llama-1b.log"
   serve_check "$HOME/.cache/tapedeck/bench/llama-1b"
+  # PROFILE=1: where a batch-1 decode step's time goes, per kernel (Nsight Compute's duration of
+  # each of 400 consecutive eager launches in the middle of decoding; clocks left alone).
+  if [ "${PROFILE:-0}" = 1 ] && command -v ncu > /dev/null; then
+    echo "== ncu: llama-1b batch-1 decode, kernels by total time (${PROFILE_TOGGLES:=matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv})"
+    mapfile -t ta < <(toggle_args "$PROFILE_TOGGLES")
+    timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+      --launch-skip 3000 --launch-count 400 \
+      "$td" bench engine --device cuda --model llama-1b "${ta[@]}" --prompt-len 64 --gen 64 \
+      --concurrency 0 --turns 0 > "$out/ncu.csv" 2> "$out/ncu.log"
+    python3 bench/cuda/kernel_table.py < "$out/ncu.csv" | tee "$out/ncu-kernels.txt"
+  elif [ "${PROFILE:-0}" = 1 ]; then
+    echo "PROFILE=1: no ncu on this machine"
+  fi
   echo "== llama-1b: CUDA logits against the CPU engine"
   TAPEDECK_LLAMA1B="$HOME/.cache/tapedeck/bench/llama-1b" timeout 300 "$bin/test-cuda" \
     cuda_llama_1b --nocapture 2>&1 | grep -E "llama-1b|test result|panicked" | tee -a "$out/test-cuda-llama-1b.log"

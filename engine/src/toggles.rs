@@ -53,6 +53,22 @@ pub enum AttnDecode {
     MmaBf16,
 }
 
+/// How the GPU runs linear layers of a few tokens (decode steps) with `matmul=bf16`.
+///
+/// Batch-1 decode is a matrix-vector product per weight matrix, bound by reading the weights.
+/// `Gemv` runs our own kernels (one warp per output feature, q/k/v in one launch, gate/up fused
+/// with SiLU·up, residual adds fused into the o and down projections); `Cublas` keeps cuBLAS's
+/// GEMM. Both round the same inputs to bf16 and accumulate in f32, in a different order. The CPU
+/// ignores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum SmallGemm {
+    /// cuBLAS for every size: the reference.
+    #[default]
+    Cublas,
+    /// Our bf16 GEMV kernels for up to 8 tokens; cuBLAS above.
+    Gemv,
+}
+
 /// An encoding fault: a deliberately wrong prompt-encoding rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum EncodingFault {
@@ -84,6 +100,8 @@ pub struct Toggles {
     /// ignores it). Graph replay is a known source of silent corruption in serving engines (stale
     /// pointers, padded rows, baked-in shapes), so it is a toggle a replay can A/B and bisect.
     pub cuda_graphs: bool,
+    /// Kernels for linear layers of a few tokens (GPU, `matmul=bf16` only).
+    pub small_gemm: SmallGemm,
     /// Prompt-encoding fault.
     pub fault_encoding: EncodingFault,
     /// Context-window fault: silently drop the oldest non-system turns until the prompt fits in N
@@ -110,6 +128,7 @@ impl Default for Toggles {
             attn_decode: AttnDecode::SimtF32,
             decode_topk: None,
             cuda_graphs: false,
+            small_gemm: SmallGemm::Cublas,
             fault_encoding: EncodingFault::Off,
             fault_context_window: None,
             prefill_chunk: None,
@@ -170,6 +189,13 @@ pub const REGISTRY: &[ToggleSpec] = &[
         values: "on | off",
         default: "off",
         description: "replay decode steps as CUDA graphs per batch-size bucket (GPU only)",
+    },
+    ToggleSpec {
+        name: "small_gemm",
+        values: "cublas | gemv",
+        default: "cublas",
+        description:
+            "linear layers of <= 8 tokens with matmul=bf16: cuBLAS or our GEMVs (GPU only)",
     },
     ToggleSpec {
         name: "prefill_chunk",
@@ -286,6 +312,13 @@ impl Toggles {
             }
             "decode_topk" => self.decode_topk = parse_off_or_n(name, value)?,
             "cuda_graphs" => self.cuda_graphs = parse_on_off(name, value, "on")?,
+            "small_gemm" => {
+                self.small_gemm = match value {
+                    "cublas" => SmallGemm::Cublas,
+                    "gemv" => SmallGemm::Gemv,
+                    _ => return Err(bad(name, value)),
+                }
+            }
             "fault.encoding" => {
                 self.fault_encoding = match value {
                     "off" => EncodingFault::Off,
@@ -329,6 +362,11 @@ impl Toggles {
             .to_string(),
             "decode_topk" => off_or_n(self.decode_topk),
             "cuda_graphs" => on_off(self.cuda_graphs, "on"),
+            "small_gemm" => match self.small_gemm {
+                SmallGemm::Cublas => "cublas",
+                SmallGemm::Gemv => "gemv",
+            }
+            .to_string(),
             "fault.encoding" => match self.fault_encoding {
                 EncodingFault::Off => "off",
                 EncodingFault::DropThinkingAlways => "drop_thinking_always",
@@ -474,7 +512,7 @@ mod tests {
     fn text_form_round_trips_every_toggle() {
         let s =
             "matmul=bf16,attn_scores=bf16,kv_dtype=fp8-e4m3,attn_decode=mma-bf16,decode_topk=64,\
-                 cuda_graphs=on,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
+                 cuda_graphs=on,small_gemm=gemv,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
                  fault.context_window=512,fault.prefix_cache=stale,fault.chunk=boundary";
         let t: Toggles = s.parse().unwrap();
         assert_eq!(t.to_string(), s);

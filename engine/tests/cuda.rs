@@ -158,6 +158,205 @@ fn nvrtc_compiles_every_kernel_for_sm90_and_sm120() {
     }
 }
 
+/// `n` rows of `inp` values drawn from N(0, 1)-ish (a sum of uniforms), never all zero.
+fn randn(r: &mut impl Rng, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|_| (0..4).map(|_| r.random_range(-1.0f32..1.0)).sum::<f32>() * 0.87)
+        .collect()
+}
+
+/// `(Σ_j w_j·x_j, Σ_j |w_j·x_j|)` over bf16-rounded operands, in float64.
+fn dot64(w: &[f32], x: &[f32]) -> (f64, f64) {
+    use tapedeck_engine::numerics::round_bf16;
+    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &x)| {
+        let p = round_bf16(w) as f64 * round_bf16(x) as f64;
+        (s + p, a + p.abs())
+    })
+}
+
+#[test]
+fn cuda_gemv_kernel_matches_a_float64_reference() {
+    // The few-token bf16 GEMV (small_gemm=gemv) against float64 sums of the same bf16-rounded
+    // operands, on fresh random shapes: every row count 1..=8, widths that leave a partial last
+    // block and partial 16-byte rounds per lane, bias, an f32 input rounded by the kernel, and the
+    // residual add. Bound: f32 accumulation of exact bf16 products, so each output is within 1e-5
+    // of Σ|w·x| (plus |b| and |residual|) of the exact value; outputs start as NaN unless added to.
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return;
+    }
+    use tapedeck_engine::cuda::check::{gemv, GemvCase};
+    let mut r = rng();
+    // (out, in, row counts): Llama-3.2-1B's shapes, a tiny one, random ones.
+    let all: Vec<usize> = (1..=8).collect();
+    let mut cases = vec![
+        (2048usize, 2048usize, vec![1, 2, 4, 8]),
+        (512, 2048, all.clone()),
+        (2048, 8192, vec![1, 8]),
+        (1000, 24, all.clone()),
+    ];
+    for _ in 0..3 {
+        cases.push((
+            r.random_range(1..1500),
+            8 * r.random_range(1..256),
+            all.clone(),
+        ));
+    }
+    for (i, (out, inp, ns)) in cases.iter().enumerate() {
+        let (out, inp) = (*out, *inp);
+        let w = randn(&mut r, out * inp);
+        for &n in ns {
+            let x = randn(&mut r, n * inp);
+            let b = (i % 2 == 1).then(|| randn(&mut r, out));
+            let res = (n % 2 == 0).then(|| randn(&mut r, n * out));
+            let x_f32 = (i + n) % 3 == 0;
+            // The fused RMSNorm (q/k/v's input) where its shared memory holds the rows.
+            let nw = ((i + n) % 4 == 1 && n * inp * 2 <= 48 << 10).then(|| randn(&mut r, inp));
+            let eps = 1e-5f32;
+            let case = GemvCase {
+                w: &w,
+                out,
+                inp,
+                bias: b.as_deref(),
+                x: &x,
+                n,
+                x_f32,
+                norm: nw.as_deref().map(|w| (w, eps)),
+                residual: res.as_deref(),
+            };
+            let run = gemv(0, &case, 0).unwrap();
+            // What the products see: x, or x normalized (in float64, then rounded to bf16 by
+            // dot64; a rounding that lands the other way than the kernel's f32 norm is a rare
+            // one-ulp flip of one input, hence the looser bound against float64 below).
+            let xin: Vec<f32> = match &nw {
+                None => x.clone(),
+                Some(nw) => x
+                    .chunks(inp)
+                    .flat_map(|row| {
+                        let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / inp as f64;
+                        let inv = 1.0 / (ms + eps as f64).sqrt();
+                        row.iter()
+                            .zip(nw)
+                            .map(move |(&v, &g)| (g as f64 * v as f64 * inv) as f32)
+                    })
+                    .collect(),
+            };
+            let (mut worst_ours, mut worst_cublas, mut worst_pair) = (0.0f64, 0.0f64, 0.0f64);
+            for row in 0..n {
+                for o in 0..out {
+                    let (dot, mag) =
+                        dot64(&w[o * inp..(o + 1) * inp], &xin[row * inp..(row + 1) * inp]);
+                    let extra = [
+                        b.as_ref().map(|b| b[o]),
+                        res.as_ref().map(|v| v[row * out + o]),
+                    ];
+                    let want = dot + extra.iter().flatten().map(|&v| v as f64).sum::<f64>();
+                    let scale = mag + extra.iter().flatten().map(|v| v.abs() as f64).sum::<f64>();
+                    let at = row * out + o;
+                    let got = run.ours[at];
+                    assert!(
+                        got.is_finite(),
+                        "out {out} in {inp} n {n}: y[{row},{o}] = {got}"
+                    );
+                    worst_ours = worst_ours.max((got as f64 - want).abs() / scale.max(1e-30));
+                    worst_cublas =
+                        worst_cublas.max((run.cublas[at] as f64 - want).abs() / scale.max(1e-30));
+                    worst_pair = worst_pair
+                        .max((got as f64 - run.cublas[at] as f64).abs() / scale.max(1e-30));
+                }
+            }
+            let what = format!(
+                "out {out} in {inp} n {n} (bias {}, f32 input {x_f32}, norm {}, add {})",
+                b.is_some(),
+                nw.is_some(),
+                res.is_some()
+            );
+            let bound = if nw.is_some() { 1e-4 } else { 1e-5 };
+            assert!(worst_ours <= bound, "{what}: error {worst_ours:e}");
+            // Against the cuBLAS path on the same bf16 inputs (the fused norm computes what the
+            // RMSNorm kernel computes, bit for bit): only the two f32 summation orders differ.
+            assert!(worst_pair <= 2e-5, "{what}: ours vs cuBLAS {worst_pair:e}");
+            if n == 8 || n == 1 || nw.is_some() {
+                println!(
+                    "gemv {what}: worst error/Σ|terms| ours {worst_ours:.1e}, cuBLAS \
+                     {worst_cublas:.1e}, ours vs cuBLAS {worst_pair:.1e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cuda_fused_gate_up_kernel_matches_a_float64_reference() {
+    // gemv_bf16_swiglu: bf16(silu(x·Wgᵀ) · (x·Wuᵀ)) against float64 gate and up sums of the same
+    // bf16 operands. Bound per element: one bf16 rounding of the result (2^-8 relative, a tie may
+    // round either way after f32 accumulation) plus the f32 accumulation error carried through
+    // silu(g)·u (1e-5 of Σ|terms| of each sum, times the other factor).
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return;
+    }
+    use tapedeck_engine::cuda::check::{swiglu, SwigluCase};
+    let mut r = rng();
+    let shapes = [
+        (8192usize, 2048usize, vec![1, 3, 8]),
+        (
+            r.random_range(1..2000),
+            8 * r.random_range(1..200),
+            vec![1, 2, 5, 8],
+        ),
+    ];
+    for (inter, inp, ns) in shapes {
+        let wg = randn(&mut r, inter * inp);
+        let wu = randn(&mut r, inter * inp);
+        for n in ns {
+            let x = randn(&mut r, n * inp);
+            let case = SwigluCase {
+                wg: &wg,
+                wu: &wu,
+                inter,
+                inp,
+                x: &x,
+                n,
+            };
+            let run = swiglu(0, &case, 0).unwrap();
+            let mut worst = 0.0f64;
+            for row in 0..n {
+                let xr = &x[row * inp..(row + 1) * inp];
+                for o in 0..inter {
+                    let (g, gm) = dot64(&wg[o * inp..(o + 1) * inp], xr);
+                    let (u, um) = dot64(&wu[o * inp..(o + 1) * inp], xr);
+                    let silu = g / (1.0 + (-g).exp());
+                    let want = silu * u;
+                    let bound = want.abs() / 256.0 + 1e-5 * (gm * u.abs() * 1.1 + um * silu.abs());
+                    let got = run.ours[row * inter + o] as f64;
+                    assert!(
+                        got.is_finite(),
+                        "{inter}x{inp} n {n}: out[{row},{o}] = {got}"
+                    );
+                    let err = (got - want).abs();
+                    assert!(
+                        err <= bound,
+                        "{inter}x{inp} n {n}: out[{row},{o}] = {got}, want {want} (bound {bound:e})"
+                    );
+                    worst = worst.max(err / bound);
+                }
+            }
+            let same = run
+                .ours
+                .iter()
+                .zip(&run.cublas)
+                .filter(|(a, b)| a == b)
+                .count();
+            println!(
+                "swiglu {inter}x{inp}, {n} rows: worst error {worst:.2} of the bound; {:.2}% of \
+                 outputs equal to the cuBLAS path's",
+                100.0 * same as f64 / run.ours.len() as f64
+            );
+        }
+    }
+}
+
 #[test]
 fn cuda_matches_cpu_on_both_fixtures_under_every_numeric_toggle() {
     for name in ["tiny-llama", "tiny-qwen2"] {
@@ -175,6 +374,7 @@ fn cuda_matches_cpu_on_both_fixtures_under_every_numeric_toggle() {
             ("matmul=bf16", 2e-2),
             ("attn_scores=bf16", 2e-2),
             ("attn_decode=mma-bf16", 2e-2),
+            ("matmul=bf16,small_gemm=gemv", 2e-2),
         ];
         for &(toggles, tol) in cases {
             let t: Toggles = toggles.parse().unwrap();
@@ -581,6 +781,7 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
         ("decode_topk=8", 0.0),
         ("kv_dtype=fp8-e4m3", 0.0),
         ("matmul=bf16,attn_scores=bf16", 0.0),
+        ("matmul=bf16,small_gemm=gemv", 0.0),
         ("attn_decode=mma-bf16", 1e-5),
     ] {
         let score = |t: &str| {
@@ -648,6 +849,10 @@ fn cuda_llama_1b_logits_match_the_cpu_engine() {
         ("", 1e-4),
         ("matmul=bf16,attn_decode=mma-bf16", 5e-2),
         ("matmul=bf16,attn_decode=mma-bf16,cuda_graphs=on", 5e-2),
+        (
+            "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,cuda_graphs=on",
+            5e-2,
+        ),
     ] {
         let t: Toggles = toggles.parse().unwrap();
         let want = run(&cpu, &p, &d, 64, &t);

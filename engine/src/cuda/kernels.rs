@@ -25,20 +25,22 @@ pub struct KernelSource {
     pub entry_points: &'static [&'static str],
 }
 
-/// The engine's kernels: norms, rotary, element-wise ops, the KV write and SIMT attention.
+/// The engine's kernels: norms, rotary with the KV write, element-wise ops, few-token bf16 GEMVs,
+/// SIMT attention and the token picks.
 pub const ENGINE: KernelSource = KernelSource {
     name: "engine.cu",
     code: include_str!("../../../kernels/engine.cu"),
     entry_points: &[
         "embed_gather",
         "rms_norm",
-        "rope",
+        "rope_kv_write",
         "silu_mul",
         "scatter_rows",
         "add_inplace",
         "add_bias",
         "f32_to_bf16",
-        "kv_write",
+        "gemv_bf16",
+        "gemv_bf16_swiglu",
         "attention",
         "attention_scores",
         "topk_mask",

@@ -13,6 +13,7 @@
 //! [`Model::forward`](crate::model::Model::forward) step for step; only summation order differs
 //! (cuBLAS chooses its own), so f32 results agree with the CPU to about 1e-6 relative per layer.
 
+pub mod check;
 pub mod kernels;
 mod meta;
 
@@ -28,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::model::{KvPool, Logits, Model, Segment, WantLogits};
 use crate::models::llama::{batch_positions, Linear};
 use crate::numerics::round_bf16;
-use crate::toggles::{AttnDecode, KvDtype, Precision, Toggles};
+use crate::toggles::{AttnDecode, KvDtype, Precision, SmallGemm, Toggles};
 use meta::{build_meta, device_pick, parse_pick, pick_words, Meta, Pad, PICK_CHUNK};
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -180,6 +181,38 @@ impl DeviceKv {
     }
 }
 
+/// The input of a GEMV launch.
+#[derive(Debug, Clone, Copy)]
+enum GemvIn {
+    /// bf16 bits `(n, in)`.
+    Bf16(u64),
+    /// f32 `(n, in)`, rounded to bf16 as read.
+    F32(u64),
+    /// The f32 residual stream `(n, in)`, RMS-normalized with weights `w` and `eps` by each
+    /// block into shared memory first (fits when `n · in · 2 ≤ GEMV_NORM_SMEM`).
+    Normed { x: u64, w: u64, eps: f32 },
+}
+
+/// Dynamic shared memory the GEMV kernels' fused RMSNorm may use (the default per-block limit).
+const GEMV_NORM_SMEM: usize = 48 << 10;
+
+impl GemvIn {
+    /// Appends the kernels' input arguments `(x, [x_f32,] norm_w, eps)`; returns the dynamic
+    /// shared memory the launch needs.
+    fn args(self, a: Args, n: usize, inp: usize) -> (Args, usize) {
+        match self {
+            GemvIn::Bf16(x) => (a.p(x).i(0).p(0).f(0.0), 0),
+            GemvIn::F32(x) => (a.p(x).i(1).p(0).f(0.0), 0),
+            GemvIn::Normed { x, w, eps } => (a.p(x).i(0).p(w).f(eps), n * inp * 2),
+        }
+    }
+}
+
+/// The device address of a layer's bias, 0 for none (what the kernels take).
+fn bias(l: &DevLinear) -> u64 {
+    l.b.as_ref().map_or(0, |b| b.ptr)
+}
+
 /// A linear layer on the device: f32 weights for `matmul=f32`, bf16 bits for `matmul=bf16`.
 struct DevLinear {
     /// (out, in) f32
@@ -194,21 +227,32 @@ struct DevLinear {
 
 impl DevLinear {
     fn upload(ctx: &Arc<CudaContext>, l: &Linear) -> Result<Self> {
-        let bits: Vec<u16> =
-            l.w.iter()
-                .map(|&x| (round_bf16(x).to_bits() >> 16) as u16)
-                .collect();
+        Self::from_parts(ctx, &l.w, l.b.as_deref(), l.out, l.inp)
+    }
+
+    /// `w` is `(out, in)` f32; the bf16 copy is made from it here.
+    fn from_parts(
+        ctx: &Arc<CudaContext>,
+        w: &[f32],
+        b: Option<&[f32]>,
+        out: usize,
+        inp: usize,
+    ) -> Result<Self> {
         Ok(DevLinear {
-            w: DevBuf::from_slice(ctx, &l.w)?,
-            w_bf16: DevBuf::from_slice(ctx, &bits)?,
-            b: l.b
-                .as_ref()
-                .map(|b| DevBuf::from_slice(ctx, b))
-                .transpose()?,
-            out: l.out,
-            inp: l.inp,
+            w: DevBuf::from_slice(ctx, w)?,
+            w_bf16: DevBuf::from_slice(ctx, &bf16_bits(w))?,
+            b: b.map(|b| DevBuf::from_slice(ctx, b)).transpose()?,
+            out,
+            inp,
         })
     }
+}
+
+/// `x` rounded to bf16 (nearest, ties to even), as raw bits.
+fn bf16_bits(x: &[f32]) -> Vec<u16> {
+    x.iter()
+        .map(|&v| (round_bf16(v).to_bits() >> 16) as u16)
+        .collect()
 }
 
 struct DevLayer {
@@ -227,13 +271,14 @@ struct DevLayer {
 struct Kernels {
     embed_gather: CudaFunction,
     rms_norm: CudaFunction,
-    rope: CudaFunction,
+    rope_kv_write: CudaFunction,
     silu_mul: CudaFunction,
     scatter_rows: CudaFunction,
     add_inplace: CudaFunction,
     add_bias: CudaFunction,
     f32_to_bf16: CudaFunction,
-    kv_write: CudaFunction,
+    gemv: CudaFunction,
+    gemv_swiglu: CudaFunction,
     attention: CudaFunction,
     attention_scores: CudaFunction,
     topk_mask: CudaFunction,
@@ -302,13 +347,14 @@ impl Kernels {
             decode_combine: load_function(&mma, "decode_attn_combine")?,
             embed_gather: f("embed_gather")?,
             rms_norm: f("rms_norm")?,
-            rope: f("rope")?,
+            rope_kv_write: f("rope_kv_write")?,
             silu_mul: f("silu_mul")?,
             scatter_rows: f("scatter_rows")?,
             add_inplace: f("add_inplace")?,
             add_bias: f("add_bias")?,
             f32_to_bf16: f("f32_to_bf16")?,
-            kv_write: f("kv_write")?,
+            gemv: f("gemv_bf16")?,
+            gemv_swiglu: f("gemv_bf16_swiglu")?,
             attention: f("attention")?,
             attention_scores: f("attention_scores")?,
             topk_mask: f("topk_mask")?,
@@ -433,6 +479,9 @@ struct ScratchBufs {
     u: DevBuf,
     /// bf16 GEMM input, (n, max(hidden, heads·head_dim, intermediate))
     xb: DevBuf,
+    /// bf16 SiLU·up output of the fused gate/up GEMV (the down projection's input; it cannot be
+    /// `xb`, which that kernel reads), (n, intermediate)
+    act: DevBuf,
 }
 
 /// The buffer in `slot`, replaced by a larger one (and `generation` bumped) when it holds fewer
@@ -451,6 +500,9 @@ fn ensure(
     Ok(slot.as_ref().map_or(0, |b| b.ptr))
 }
 
+/// Most rows the GEMV kernels take (their `GEMV_MAX_ROWS`), and warps per block (`GEMV_WARPS`).
+const GEMV_MAX_ROWS: usize = 8;
+const GEMV_WARPS: usize = 8;
 /// Most rows a decode graph takes; larger decode batches run eagerly.
 const GRAPH_MAX_ROWS: usize = 512;
 /// Graphs kept before the cache is emptied (each holds a few hundred nodes).
@@ -492,10 +544,64 @@ fn graph_pad(segs: &[Segment<'_>], toggles: &Toggles) -> Option<Pad> {
     })
 }
 
-struct Inner {
+/// What every launch needs, apart from the model: our own stream, cuBLAS on it with an explicit
+/// workspace, and the compiled kernels. Kept apart from the weights so that single kernels can
+/// run on their own ([`check`]).
+struct Gpu {
     stream: Arc<CudaStream>,
     blas: cudarc::cublas::CudaBlas,
     k: Kernels,
+    /// Multiprocessors (for the split-K rule).
+    sms: usize,
+    /// The cuBLAS workspace (kept alive for the handle).
+    _workspace: DevBuf,
+}
+
+impl Gpu {
+    /// A stream, a cuBLAS handle and the kernels compiled for this context's GPU (the prefill
+    /// kernel for `head_dim`). Returns the GPU's name and compute capability too.
+    fn new(ctx: &Arc<CudaContext>, head_dim: usize) -> Result<(Self, String, (i32, i32))> {
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| dev_err("compute capability", e))?;
+        let name = ctx.name().unwrap_or_else(|_| "GPU".into());
+        let arch = kernels::virtual_arch(major, minor);
+        // A stream of our own: the legacy default stream cannot be captured into a graph.
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| dev_err("creating a CUDA stream", e))?;
+        let blas = cudarc::cublas::CudaBlas::new(stream.clone())
+            .map_err(|e| dev_err("creating a cuBLAS handle", e))?;
+        let workspace = DevBuf::new(ctx, BLAS_WORKSPACE)?;
+        // SAFETY: the handle is live and the workspace outlives it (both live in `Gpu`).
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                workspace.ptr as *mut c_void,
+                BLAS_WORKSPACE,
+            )
+        }
+        .result()
+        .map_err(|e| dev_err("setting the cuBLAS workspace", e))?;
+        let k = Kernels::load(ctx, &arch, head_dim)?;
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| dev_err("multiprocessor count", e))? as usize;
+        let gpu = Gpu {
+            stream,
+            blas,
+            k,
+            sms,
+            _workspace: workspace,
+        };
+        Ok((gpu, name, (major, minor)))
+    }
+}
+
+struct Inner {
+    gpu: Gpu,
     embed: DevBuf,
     /// The output head (`lm_head`, or the tied embedding).
     head: DevLinear,
@@ -503,12 +609,10 @@ struct Inner {
     layers: Vec<DevLayer>,
     inv_freq: DevBuf,
     scratch: Scratch,
-    /// Multiprocessors (for the split-K rule).
-    sms: usize,
+    /// Every linear layer's input width is a multiple of 8 (the GEMV kernels' 16-byte loads).
+    gemv_fits: bool,
     /// Captured decode steps, and the scratch generation they were captured at.
     graphs: std::collections::HashMap<GraphKey, Graph>,
-    /// The cuBLAS workspace (kept alive for the handle).
-    _workspace: DevBuf,
 }
 
 /// The engine on one NVIDIA GPU.
@@ -535,30 +639,8 @@ impl CudaBackend {
         // One stream, used in order: cudarc's per-buffer event tracking is not needed.
         // SAFETY: called before any allocation through cudarc.
         unsafe { ctx.disable_event_tracking() };
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| dev_err("compute capability", e))?;
-        let name = ctx.name().unwrap_or_else(|_| "GPU".into());
-        let arch = kernels::virtual_arch(major, minor);
-        // A stream of our own: the legacy default stream cannot be captured into a graph.
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| dev_err("creating a CUDA stream", e))?;
-        let blas = cudarc::cublas::CudaBlas::new(stream.clone())
-            .map_err(|e| dev_err("creating a cuBLAS handle", e))?;
-        let workspace = DevBuf::new(&ctx, BLAS_WORKSPACE)?;
-        // SAFETY: the handle is live and the workspace outlives it (both live in `Inner`).
-        unsafe {
-            cudarc::cublas::sys::cublasSetWorkspace_v2(
-                *blas.handle(),
-                workspace.ptr as *mut c_void,
-                BLAS_WORKSPACE,
-            )
-        }
-        .result()
-        .map_err(|e| dev_err("setting the cuBLAS workspace", e))?;
         let cfg = model.config().clone();
-        let k = Kernels::load(&ctx, &arch, cfg.head_dim)?;
+        let (gpu, name, (major, minor)) = Gpu::new(&ctx, cfg.head_dim)?;
         if cfg.head_dim > 256 || !cfg.head_dim.is_multiple_of(2) {
             return Err(Error::Device(format!(
                 "head_dim {} is not supported by the CUDA kernels (even, at most 256)",
@@ -585,17 +667,16 @@ impl CudaBackend {
             norm: DevBuf::from_slice(&ctx, &model.norm)?,
             inv_freq: DevBuf::from_slice(&ctx, &model.inv_freq)?,
             layers,
-            stream,
-            blas,
-            k,
+            gpu,
             scratch: Scratch::default(),
             graphs: Default::default(),
-            _workspace: workspace,
-            sms: ctx
-                .attribute(
-                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-                )
-                .map_err(|e| dev_err("multiprocessor count", e))? as usize,
+            gemv_fits: [
+                cfg.hidden_size,
+                cfg.num_heads * cfg.head_dim,
+                cfg.intermediate_size,
+            ]
+            .iter()
+            .all(|d| d.is_multiple_of(8)),
         };
         Ok(CudaBackend {
             describe: format!("cuda:{ordinal} {name} (sm_{major}{minor})"),
@@ -624,7 +705,7 @@ fn split_rule(rows: usize, kv_heads: usize, max_len: usize, sms: usize) -> (usiz
     (split_len, max_len.div_ceil(split_len).max(1))
 }
 
-impl Inner {
+impl Gpu {
     /// `y (n, out) = x (n, in) · Wᵀ (+ b)`. `x` is f32, or bf16 bits when `p` is bf16.
     fn linear(&self, l: &DevLinear, x: u64, n: usize, y: u64, p: Precision) -> Result<()> {
         use cudarc::cublas::sys::{
@@ -673,6 +754,60 @@ impl Inner {
         Ok(())
     }
 
+    /// `y_j (n, out_j) = x (n, in) · W_jᵀ (+ b_j)` for up to three bf16 matrices sharing the
+    /// input, in one launch of the GEMV kernel; with `add`, `y_j +=` it (the residual stream).
+    /// `n ≤ GEMV_MAX_ROWS`.
+    fn gemv(&self, mats: &[(&DevLinear, u64)], x: GemvIn, n: usize, add: bool) -> Result<()> {
+        let inp = mats.first().map_or(0, |(l, _)| l.inp);
+        let (a, smem) = x.args(Args::new(), n, inp);
+        let mut a = a.i(n).i(inp).i(usize::from(add));
+        let mut total = 0;
+        for j in 0..3 {
+            a = match mats.get(j) {
+                Some((l, y)) => {
+                    total += l.out;
+                    a.p(l.w_bf16.ptr).p(bias(l)).p(*y).i(l.out)
+                }
+                None => a.p(0).p(0).p(0).i(0),
+            };
+        }
+        a.launch_3d(
+            &self.stream,
+            &self.k.gemv,
+            (total.div_ceil(GEMV_WARPS), 1, 1),
+            32 * GEMV_WARPS,
+            smem,
+        )
+    }
+
+    /// `out (n, inter) = bf16(silu(x · Wgᵀ) · (x · Wuᵀ))`, the MLP's input to its down
+    /// projection, in one launch.
+    fn swiglu(
+        &self,
+        gate: &DevLinear,
+        up: &DevLinear,
+        x: GemvIn,
+        n: usize,
+        out: u64,
+    ) -> Result<()> {
+        let (a, smem) = x.args(Args::new(), n, gate.inp);
+        a.i(n)
+            .i(gate.inp)
+            .p(gate.w_bf16.ptr)
+            .p(bias(gate))
+            .p(up.w_bf16.ptr)
+            .p(bias(up))
+            .p(out)
+            .i(gate.out)
+            .launch_3d(
+                &self.stream,
+                &self.k.gemv_swiglu,
+                (gate.out.div_ceil(GEMV_WARPS), 1, 1),
+                32 * GEMV_WARPS,
+                smem,
+            )
+    }
+
     /// The GEMM input for precision `p`: `x` itself, or `x` rounded to bf16 into `xb`.
     fn gemm_input(&self, x: u64, len: usize, xb: u64, p: Precision) -> Result<u64> {
         match p {
@@ -688,7 +823,9 @@ impl Inner {
             }
         }
     }
+}
 
+impl Inner {
     fn ensure_scratch(&mut self, ctx: &Arc<CudaContext>, cfg: &Config, n: usize) -> Result<()> {
         if self.scratch.bufs.is_some() && self.scratch.tokens >= n {
             return Ok(());
@@ -713,6 +850,7 @@ impl Inner {
             g: f(inter)?,
             u: f(inter)?,
             xb: DevBuf::new(ctx, n * h.max(q_dim).max(inter) * 2)?,
+            act: DevBuf::new(ctx, n * inter * 2)?,
         });
         self.scratch.tokens = n;
         self.scratch.generation += 1;
@@ -765,8 +903,10 @@ impl Backend for CudaBackend {
         let pad = graph_pad(segs, toggles);
         let pass = inner.prepare(&self.ctx, cfg, segs, &where_, bs, toggles, pad)?;
         // SAFETY: the meta buffer holds at least `meta.data.len()` i32s.
-        unsafe { dr::memcpy_htod_async(pass.meta_ptr, &pass.meta.data, inner.stream.cu_stream()) }
-            .map_err(|e| dev_err("uploading batch indices", e))?;
+        unsafe {
+            dr::memcpy_htod_async(pass.meta_ptr, &pass.meta.data, inner.gpu.stream.cu_stream())
+        }
+        .map_err(|e| dev_err("uploading batch indices", e))?;
         match pad {
             None => inner.record(cfg, kv, &pass)?,
             Some(pad) => inner.replay(cfg, kv, &pass, pad, toggles)?,
@@ -794,14 +934,34 @@ struct Pass {
     topk: Option<(usize, u64, usize)>,
     /// The mma decode kernel's buffers and split geometry.
     mma: Option<MmaPass>,
+    /// How the linear layers run.
+    linears: Linears,
+    /// The logit rows are the pass's rows in order: the head reads the hidden states in place.
+    logits_in_place: bool,
     logits: u64,
     /// Token picking: statistics, candidates, results; chunks per row.
     pick: Option<(u64, u64, u64, usize)>,
 }
 
+/// The mma decode kernel's buffers. When every row is a decode row, in order, `q_dec` and
+/// `o_dec` are the pass's own query and attention-output buffers (`gather` false); otherwise the
+/// decode rows are gathered into them and scattered back.
+/// How a pass runs its linear layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Linears {
+    /// cuBLAS GEMMs, with RMSNorm, SiLU·up and residual adds as kernels of their own.
+    Cublas,
+    /// The GEMV kernels (`small_gemm=gemv`, `matmul=bf16`, few rows), the RMSNorm before q/k/v
+    /// and gate/up still its own launch (the rows do not fit the fused norm's shared memory).
+    Gemv,
+    /// The GEMV kernels with the RMSNorm fused in.
+    GemvFusedNorm,
+}
+
 struct MmaPass {
     q_dec: u64,
     o_dec: u64,
+    gather: bool,
     partial_out: u64,
     partial_ml: u64,
     split_len: usize,
@@ -822,6 +982,7 @@ impl Inner {
         pad: Option<Pad>,
     ) -> Result<Pass> {
         let tile_tokens = self
+            .gpu
             .k
             .prefill
             .as_ref()
@@ -832,8 +993,30 @@ impl Inner {
         self.ensure_scratch(ctx, cfg, rows)?;
         let (hd, nh, nkv) = (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
         let q_dim = nh * hd;
-        let sms = self.sms;
+        let sms = self.gpu.sms;
+        let linears = if toggles.small_gemm == SmallGemm::Gemv
+            && toggles.matmul == Precision::Bf16
+            && rows <= GEMV_MAX_ROWS
+            && self.gemv_fits
+        {
+            if rows * cfg.hidden_size * 2 <= GEMV_NORM_SMEM {
+                Linears::GemvFusedNorm
+            } else {
+                Linears::Gemv
+            }
+        } else {
+            Linears::Cublas
+        };
         let sc = &mut self.scratch;
+        let (q_buf, att_buf) = match &sc.bufs {
+            Some(b) => (b.q.ptr, b.att.ptr),
+            None => return Err(Error::Device("scratch buffers missing".into())),
+        };
+        let in_order = |at: usize, count: usize| {
+            count == rows && meta.data[at..at + count].iter().copied().eq(0..rows as i32)
+        };
+        let decode_in_order = in_order(meta.decode_rows, meta.n_decode_rows);
+        let logits_in_place = in_order(meta.logit_rows, meta.n_logit_rows);
         let g = &mut sc.generation;
         let meta_ptr = ensure(&mut sc.meta, ctx, meta.data.len() * 4, g)?;
         // The longest context a decode row may have: the real one, or the graph's capacity.
@@ -858,9 +1041,18 @@ impl Inner {
             && nr > 0
         {
             let (split_len, max_splits) = split_rule(nr, nkv, max_len, sms);
+            let (q_dec, o_dec) = if decode_in_order {
+                (q_buf, att_buf)
+            } else {
+                (
+                    ensure(&mut sc.q_dec, ctx, nr * q_dim * 4, g)?,
+                    ensure(&mut sc.o_dec, ctx, nr * q_dim * 4, g)?,
+                )
+            };
             Some(MmaPass {
-                q_dec: ensure(&mut sc.q_dec, ctx, nr * q_dim * 4, g)?,
-                o_dec: ensure(&mut sc.o_dec, ctx, nr * q_dim * 4, g)?,
+                q_dec,
+                o_dec,
+                gather: !decode_in_order,
                 partial_out: ensure(&mut sc.partial_out, ctx, nr * nh * max_splits * hd * 4, g)?,
                 partial_ml: ensure(&mut sc.partial_ml, ctx, nr * nh * max_splits * 2 * 4, g)?,
                 split_len,
@@ -902,6 +1094,8 @@ impl Inner {
             decode_bf16: usize::from(toggles.attention_bf16(true)),
             topk,
             mma,
+            linears,
+            logits_in_place,
             logits,
             pick,
         })
@@ -937,12 +1131,13 @@ impl Inner {
                 self.graphs.clear();
             }
             use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-            self.stream
+            self.gpu
+                .stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(|e| dev_err("starting a CUDA graph capture", e))?;
             let recorded = self.record(cfg, kv, pass);
             // End the capture whatever happened, so the stream is usable again.
-            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
             recorded?;
             let graph = graph
                 .map_err(|e| dev_err("capturing a decode step as a CUDA graph", e))?
@@ -970,12 +1165,12 @@ impl Inner {
         let Some(b) = self.scratch.bufs.as_ref() else {
             return Err(Error::Device("scratch buffers missing".into()));
         };
-        let (x, xn, q, k, v, att, tmp, g, u, xb) = (
+        let (x, xn, q, k, v, att, tmp, g, u, xb, act) = (
             b.x.ptr, b.xn.ptr, b.q.ptr, b.k.ptr, b.v.ptr, b.att.ptr, b.tmp.ptr, b.g.ptr, b.u.ptr,
-            b.xb.ptr,
+            b.xb.ptr, b.act.ptr,
         );
-        let s = &self.stream;
-        let kn = &self.k;
+        let s = &self.gpu.stream;
+        let kn = &self.gpu.k;
         let elementwise = (n * h).div_ceil(256);
         Args::new()
             .p(x)
@@ -1000,31 +1195,45 @@ impl Inner {
                 .launch(s, &kn.rms_norm, (rows, 1), 256)?;
             Ok(out.max(out_bf16))
         };
+        // The GEMV kernels' input: the residual stream normalized with `w`, by the kernel itself
+        // or by the RMSNorm kernel before it.
+        let gemv_normed = |w: u64| -> Result<GemvIn> {
+            Ok(match pass.linears {
+                Linears::GemvFusedNorm => GemvIn::Normed {
+                    x,
+                    w,
+                    eps: cfg.rms_norm_eps,
+                },
+                _ => GemvIn::Bf16(norm(x, w, n)?),
+            })
+        };
+        let gemv = pass.linears != Linears::Cublas;
         for (li, layer) in self.layers.iter().enumerate() {
-            let xin = norm(x, layer.attn_norm.ptr, n)?;
-            self.linear(&layer.q, xin, n, q, pm)?;
-            self.linear(&layer.k, xin, n, k, pm)?;
-            self.linear(&layer.v, xin, n, v, pm)?;
-            for (buf, heads) in [(q, nh), (k, nkv)] {
-                Args::new()
-                    .p(buf)
-                    .p(mi(meta.pos))
-                    .p(self.inv_freq.ptr)
-                    .i(heads)
-                    .i(hd)
-                    .launch(s, &kn.rope, (n, 1), 256)?;
+            let qkv = [(&layer.q, q), (&layer.k, k), (&layer.v, v)];
+            if gemv {
+                self.gpu
+                    .gemv(&qkv, gemv_normed(layer.attn_norm.ptr)?, n, false)?;
+            } else {
+                let xin = norm(x, layer.attn_norm.ptr, n)?;
+                for (l, y) in qkv {
+                    self.gpu.linear(l, xin, n, y, pm)?;
+                }
             }
             let (kp, vp) = (kv.k[li].ptr, kv.v[li].ptr);
             Args::new()
-                .p(kp)
-                .p(vp)
+                .p(q)
                 .p(k)
                 .p(v)
+                .p(kp)
+                .p(vp)
+                .p(mi(meta.pos))
+                .p(self.inv_freq.ptr)
                 .p(mi(meta.slots))
+                .i(nh)
                 .i(nkv)
                 .i(hd)
                 .i(pass.kv_mode)
-                .launch(s, &kn.kv_write, (n, nkv), hd.div_ceil(32) * 32)?;
+                .launch(s, &kn.rope_kv_write, (n, nh + nkv), hd.div_ceil(32) * 32)?;
             // The arguments the SIMT attention kernels share: where each token's context is, and
             // the head shapes.
             let context = |a: Args, rows: u64| {
@@ -1072,14 +1281,16 @@ impl Inner {
                     .launch(s, &kn.topk_mask, (nr, nh), 256)?;
                 attention(rows, nr, scores, stride, pass.decode_bf16)?;
             } else if let Some(m) = &pass.mma {
-                // The bf16 tensor-core kernel on the decode rows: gather their queries, attend,
-                // merge the splits, scatter the outputs back.
-                Args::new().p(m.q_dec).p(q).p(rows).i(q_dim).launch(
-                    s,
-                    &kn.embed_gather,
-                    (nr, 1),
-                    256,
-                )?;
+                // The bf16 tensor-core kernel on the decode rows: gather their queries (unless
+                // they are all the rows), attend, merge the splits, scatter the outputs back.
+                if m.gather {
+                    Args::new().p(m.q_dec).p(q).p(rows).i(q_dim).launch(
+                        s,
+                        &kn.embed_gather,
+                        (nr, 1),
+                        256,
+                    )?;
+                }
                 Args::new()
                     .p(m.o_dec)
                     .p(m.q_dec)
@@ -1114,27 +1325,38 @@ impl Inner {
                     .i(m.split_len)
                     .i(m.max_splits)
                     .launch(s, &kn.decode_combine, (nh, nr), 256)?;
-                Args::new().p(att).p(m.o_dec).p(rows).i(q_dim).launch(
-                    s,
-                    &kn.scatter_rows,
-                    (nr, 1),
-                    256,
-                )?;
+                if m.gather {
+                    Args::new().p(att).p(m.o_dec).p(rows).i(q_dim).launch(
+                        s,
+                        &kn.scatter_rows,
+                        (nr, 1),
+                        256,
+                    )?;
+                }
             } else if nr > 0 {
                 // Shapes the tensor-core kernel does not take (head_dim other than 64 or 128,
                 // more than 16 query heads per KV head): the SIMT kernel with its roundings.
                 attention(rows, nr, 0, 0, pass.decode_bf16)?;
             }
-            let ain = self.gemm_input(att, n * q_dim, xb, pm)?;
-            self.linear(&layer.o, ain, n, tmp, pm)?;
+            if gemv {
+                // x += o(att), then x += down(silu(gate(xn)) · up(xn)): three launches.
+                self.gpu.gemv(&[(&layer.o, x)], GemvIn::F32(att), n, true)?;
+                let xin = gemv_normed(layer.mlp_norm.ptr)?;
+                self.gpu.swiglu(&layer.gate, &layer.up, xin, n, act)?;
+                self.gpu
+                    .gemv(&[(&layer.down, x)], GemvIn::Bf16(act), n, true)?;
+                continue;
+            }
+            let ain = self.gpu.gemm_input(att, n * q_dim, xb, pm)?;
+            self.gpu.linear(&layer.o, ain, n, tmp, pm)?;
             Args::new()
                 .p(x)
                 .p(tmp)
                 .i(n * h)
                 .launch(s, &kn.add_inplace, (elementwise, 1), 256)?;
             let xin = norm(x, layer.mlp_norm.ptr, n)?;
-            self.linear(&layer.gate, xin, n, g, pm)?;
-            self.linear(&layer.up, xin, n, u, pm)?;
+            self.gpu.linear(&layer.gate, xin, n, g, pm)?;
+            self.gpu.linear(&layer.up, xin, n, u, pm)?;
             // silu(g)·u, in place in f32 or rounded into `xb` for a bf16 down projection.
             let gin = match pm {
                 Precision::F32 => g,
@@ -1146,7 +1368,7 @@ impl Inner {
                 .p(u)
                 .i(n * inter)
                 .launch(s, &kn.silu_mul, ((n * inter).div_ceil(256), 1), 256)?;
-            self.linear(&layer.down, gin, n, tmp, pm)?;
+            self.gpu.linear(&layer.down, gin, n, tmp, pm)?;
             Args::new()
                 .p(x)
                 .p(tmp)
@@ -1160,14 +1382,24 @@ impl Inner {
             return Ok(());
         }
         let vocab = cfg.vocab_size;
-        Args::new().p(tmp).p(x).p(mi(meta.logit_rows)).i(h).launch(
-            s,
-            &kn.embed_gather,
-            (r, 1),
-            256,
-        )?;
-        let hin = norm(tmp, self.norm.ptr, r)?;
-        self.linear(&self.head, hin, r, pass.logits, pm)?;
+        let rows_in = if pass.logits_in_place {
+            x
+        } else {
+            Args::new().p(tmp).p(x).p(mi(meta.logit_rows)).i(h).launch(
+                s,
+                &kn.embed_gather,
+                (r, 1),
+                256,
+            )?;
+            tmp
+        };
+        let hin = norm(rows_in, self.norm.ptr, r)?;
+        if gemv {
+            self.gpu
+                .gemv(&[(&self.head, pass.logits)], GemvIn::Bf16(hin), r, false)?;
+        } else {
+            self.gpu.linear(&self.head, hin, r, pass.logits, pm)?;
+        }
         if let Some((stats, top, out, chunks)) = pass.pick {
             let (p, k) = (meta.n_picks, meta.pick_k);
             Args::new()
@@ -1197,7 +1429,7 @@ impl Inner {
     /// pass to finish.
     fn collect(&self, segs: &[Segment<'_>], pass: &Pass, vocab: usize) -> Result<Vec<Logits>> {
         let meta = &pass.meta;
-        let stream = self.stream.cu_stream();
+        let stream = self.gpu.stream.cu_stream();
         let words = pick_words(meta.pick_k);
         let mut picks = vec![0u32; meta.n_picks * words];
         if let Some((_, _, out, _)) = pass.pick {
@@ -1221,7 +1453,8 @@ impl Inner {
             }
             at += n;
         }
-        self.stream
+        self.gpu
+            .stream
             .synchronize()
             .map_err(|e| dev_err("forward pass", e))?;
         Ok(segs
