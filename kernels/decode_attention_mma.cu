@@ -459,6 +459,10 @@ decode_attn_combine(float* out, const float* partial_out, const float* partial_m
   __shared__ float acc_s[DA_COMBINE_THREADS];
   __shared__ float wsum_s[DA_COMBINE_THREADS];
   const int h = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x;
+#if __CUDA_ARCH__ >= 900
+  // Let the next kernel (the o projection's GEMV, launched with PDL) start fetching its weights.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   if (h >= num_heads || head_dim <= 0 || head_dim > DA_COMBINE_THREADS || split_len <= 0) return;
   const int len = context_lens[seq];
   const size_t sh = (size_t)seq * num_heads + h;

@@ -71,9 +71,28 @@ __device__ float block_max(float v, float* shared32) {
     return warp_max(t);
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before): a kernel launched with the
+// programmatic-stream-serialization attribute may start while the kernel before it still runs,
+// once every block of that kernel has called pdl_launch_dependents. It must call pdl_wait before
+// it reads anything an earlier kernel wrote, and write nothing before. The GEMV kernels prefetch
+// their weights (constant) first, then wait: the weight fetch overlaps the previous kernel's tail
+// and the launch latency.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // out (n, h) = table[ids[i]] rows. grid (n), block 256.
 extern "C" __global__ void embed_gather(float* out, const float* table, const unsigned int* ids,
                                         int h) {
+    pdl_launch_dependents();
     const float* row = table + (size_t)ids[blockIdx.x] * h;
     float* o = out + (size_t)blockIdx.x * h;
     for (int i = threadIdx.x; i < h; i += blockDim.x) o[i] = row[i];
@@ -84,6 +103,7 @@ extern "C" __global__ void embed_gather(float* out, const float* table, const un
 // grid (rows), block 256.
 extern "C" __global__ void rms_norm(float* out, bf16_t* out_bf16, const float* x, const float* w,
                                     int d, float eps) {
+    pdl_launch_dependents();
     __shared__ float s32[32];
     const float* xr = x + (size_t)blockIdx.x * d;
     float ss = 0.0f;
@@ -150,7 +170,7 @@ extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
 // operands; several matrices sharing the input (q, k and v) run as one grid. The epilogue does
 // what the separate kernels after a GEMM did (bias, residual add, SiLU·up with bf16 rounding) in
 // the same order, so only the summation order differs from the cuBLAS path.
-#define GEMV_MAX_ROWS 8
+#define GEMV_MAX_ROWS 4
 #define GEMV_WARPS 8
 
 __device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
@@ -182,17 +202,54 @@ __device__ __forceinline__ void load_x8(const void* x, size_t off, float v[8]) {
     }
 }
 
-// acc[r] = x[r] · w for the N input rows, w one weight row of `in` bf16 values (in % 8 == 0,
-// 16-byte aligned); every lane of the warp gets the sums. U loads of 16 bytes in flight per lane.
+// 16-byte chunks of a weight row each lane loads before the input is ready: a whole 2048-wide
+// row (in 16-byte chunks, 8 per lane).
+#define GEMV_PRE 8
+
+// The first GEMV_PRE chunks of this lane (chunk lane + 32 u) of weight row w, zero past the end
+// or for a warp without a row (live false).
+__device__ __forceinline__ void gemv_prefetch(const bf16_t* w, int in, int lane, bool live,
+                                              uint4 pre[GEMV_PRE]) {
+    const uint4* wr = (const uint4*)w;
+    int chunks = in / 8;
+#pragma unroll
+    for (int u = 0; u < GEMV_PRE; u++) {
+        int c = lane + 32 * u;
+        pre[u] = live && c < chunks ? load_stream(wr + c) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// acc[r] += x[r][8c .. 8c+8] · q (8 bf16 weights) for the N input rows.
 template <int N, bool XF32>
-__device__ __forceinline__ void gemv_row(const bf16_t* w, const void* x, int in, int lane,
-                                         float acc[N]) {
+__device__ __forceinline__ void gemv_chunk(uint4 q, const void* x, int in, int c, float acc[N]) {
+    float wf[8] = {bf16_lo(q.x), bf16_hi(q.x), bf16_lo(q.y), bf16_hi(q.y),
+                   bf16_lo(q.z), bf16_hi(q.z), bf16_lo(q.w), bf16_hi(q.w)};
+#pragma unroll
+    for (int r = 0; r < N; r++) {
+        float xv[8];
+        load_x8<XF32>(x, (size_t)r * in + (size_t)c * 8, xv);
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[r] = fmaf(wf[j], xv[j], acc[r]);
+    }
+}
+
+// acc[r] = x[r] · w for the N input rows, w one weight row of `in` bf16 values (in % 8 == 0,
+// 16-byte aligned) whose first chunks are in `pre`; every lane of the warp gets the sums. Past the
+// prefetched chunks, U loads of 16 bytes in flight per lane.
+template <int N, bool XF32>
+__device__ __forceinline__ void gemv_row(const bf16_t* w, const uint4 pre[GEMV_PRE],
+                                         const void* x, int in, int lane, float acc[N]) {
     constexpr int U = N <= 2 ? 8 : 4;
 #pragma unroll
     for (int r = 0; r < N; r++) acc[r] = 0.0f;
     const uint4* wr = (const uint4*)w;
     int chunks = in / 8;
-    for (int base = lane; base < chunks; base += 32 * U) {
+#pragma unroll
+    for (int u = 0; u < GEMV_PRE; u++) {
+        int c = lane + 32 * u;
+        if (c < chunks) gemv_chunk<N, XF32>(pre[u], x, in, c, acc);
+    }
+    for (int base = lane + 32 * GEMV_PRE; base < chunks; base += 32 * U) {
         uint4 q[U];
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -202,16 +259,7 @@ __device__ __forceinline__ void gemv_row(const bf16_t* w, const void* x, int in,
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = base + 32 * u;
-            if (c >= chunks) break;
-            float wf[8] = {bf16_lo(q[u].x), bf16_hi(q[u].x), bf16_lo(q[u].y), bf16_hi(q[u].y),
-                           bf16_lo(q[u].z), bf16_hi(q[u].z), bf16_lo(q[u].w), bf16_hi(q[u].w)};
-#pragma unroll
-            for (int r = 0; r < N; r++) {
-                float xv[8];
-                load_x8<XF32>(x, (size_t)r * in + (size_t)c * 8, xv);
-#pragma unroll
-                for (int j = 0; j < 8; j++) acc[r] = fmaf(wf[j], xv[j], acc[r]);
-            }
+            if (c < chunks) gemv_chunk<N, XF32>(q[u], x, in, c, acc);
         }
     }
 #pragma unroll
@@ -221,10 +269,11 @@ __device__ __forceinline__ void gemv_row(const bf16_t* w, const void* x, int in,
 // One output feature `row` of y (n, out) = x · Wᵀ (+ b), stored or added to y (the residual
 // stream); lane r writes input row r.
 template <int N, bool XF32>
-__device__ __forceinline__ void gemv_feature(const bf16_t* w, const float* b, float* y, int out,
-                                             int row, const void* x, int in, int add, int lane) {
+__device__ __forceinline__ void gemv_feature(const bf16_t* w, const uint4 pre[GEMV_PRE],
+                                             const float* b, float* y, int out, int row,
+                                             const void* x, int in, int add, int lane) {
     float acc[N];
-    gemv_row<N, XF32>(w + (size_t)row * in, x, in, lane, acc);
+    gemv_row<N, XF32>(w + (size_t)row * in, pre, x, in, lane, acc);
     float bias = b ? b[row] : 0.0f;
 #pragma unroll
     for (int r = 0; r < N; r++) {
@@ -236,40 +285,39 @@ __device__ __forceinline__ void gemv_feature(const bf16_t* w, const float* b, fl
     }
 }
 
-template <bool XF32>
-__device__ __forceinline__ void gemv_dispatch(const bf16_t* w, const float* b, float* y, int out,
-                                              int row, const void* x, int n, int in, int add,
-                                              int lane) {
-    switch (n) {
-        case 1: gemv_feature<1, XF32>(w, b, y, out, row, x, in, add, lane); break;
-        case 2: gemv_feature<2, XF32>(w, b, y, out, row, x, in, add, lane); break;
-        case 3: gemv_feature<3, XF32>(w, b, y, out, row, x, in, add, lane); break;
-        case 4: gemv_feature<4, XF32>(w, b, y, out, row, x, in, add, lane); break;
-        case 5: gemv_feature<5, XF32>(w, b, y, out, row, x, in, add, lane); break;
-        case 6: gemv_feature<6, XF32>(w, b, y, out, row, x, in, add, lane); break;
-        case 7: gemv_feature<7, XF32>(w, b, y, out, row, x, in, add, lane); break;
-        default: gemv_feature<8, XF32>(w, b, y, out, row, x, in, add, lane); break;
-    }
-}
-
 // With norm_w != NULL, x is the f32 residual stream (n, in) and the block first computes its
 // RMSNorm into shared memory as bf16 (n * in * 2 bytes of dynamic shared memory), exactly as the
 // rms_norm kernel computes it with 256 threads (same partial sums, same block reduction, same
 // formula), so fusing the norm changes no bit of the GEMV's input. Every block recomputes it (a
-// few KB read from L2), which costs less than a launch.
+// few KB read from L2), which costs less than a launch; the rows' sums of squares are taken in one
+// pass, so the loads of all rows are in flight together.
 __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, const float* norm_w,
                                                             float eps, int n, int in) {
     extern __shared__ uint4 gemv_smem[];
     __shared__ float s32[32];
     bf16_t* xs = (bf16_t*)gemv_smem;
-    for (int r = 0; r < n; r++) {
-        const float* xr = x + (size_t)r * in;
-        float ss = 0.0f;
-        for (int i = threadIdx.x; i < in; i += blockDim.x) ss += xr[i] * xr[i];
-        ss = block_sum(ss, s32) / (float)in;
-        float inv = 1.0f / sqrtf(ss + eps);
-        for (int i = threadIdx.x; i < in; i += blockDim.x)
-            xs[(size_t)r * in + i] = f32_to_bf16_bits(norm_w[i] * (xr[i] * inv));
+    float ss[GEMV_MAX_ROWS], inv[GEMV_MAX_ROWS];
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; r++) ss[r] = 0.0f;
+    for (int i = threadIdx.x; i < in; i += blockDim.x) {
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+            if (r < n) {
+                float v = x[(size_t)r * in + i];
+                ss[r] += v * v;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+        if (r < n) inv[r] = 1.0f / sqrtf(block_sum(ss[r], s32) / (float)in + eps);
+    }
+    for (int i = threadIdx.x; i < in; i += blockDim.x) {
+        float g = norm_w[i];
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+            if (r < n) xs[(size_t)r * in + i] = f32_to_bf16_bits(g * (x[(size_t)r * in + i] * inv[r]));
+        }
     }
     __syncthreads();
     return xs;
@@ -278,17 +326,16 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
 // y_j (n, out_j) = x (n, in) · W_jᵀ (+ b_j) for up to three bf16 matrices W_j (out_j, in) that
 // share the input (out_j = 0 for an unused one); with add != 0, y_j += instead (the residual
 // stream). x: bf16 bits; or f32 when x_f32 (rounded to bf16 as it is read); or with norm_w, f32
-// normalized first (gemv_norm_prologue). n <= GEMV_MAX_ROWS.
+// normalized first (gemv_norm_prologue). One entry point per row count n = N (gemv_bf16_N), so
+// that each gets the registers it needs and no more. May be launched with PDL.
 // grid (ceil((out_0 + out_1 + out_2) / GEMV_WARPS)), block 32 * GEMV_WARPS.
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
-    gemv_bf16(const void* x, int x_f32, const float* norm_w, float eps, int n, int in, int add,
-              const bf16_t* w0, const float* b0, float* y0, int out0, const bf16_t* w1,
-              const float* b1, float* y1, int out1, const bf16_t* w2, const float* b2, float* y2,
-              int out2) {
-    if (norm_w) {
-        x = gemv_norm_prologue((const float*)x, norm_w, eps, n, in);
-        x_f32 = 0;
-    }
+template <int N>
+__device__ __forceinline__ void gemv_kernel(const void* x, int x_f32, const float* norm_w,
+                                            float eps, int in, int add, const bf16_t* w0,
+                                            const float* b0, float* y0, int out0,
+                                            const bf16_t* w1, const float* b1, float* y1,
+                                            int out1, const bf16_t* w2, const float* b2,
+                                            float* y2, int out2) {
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const bf16_t* w = w0;
@@ -297,25 +344,52 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
     int out = out0;
     if (row >= out0) {
         row -= out0, w = w1, b = b1, y = y1, out = out1;
-        if (row >= out1) {
-            row -= out1, w = w2, b = b2, y = y2, out = out2;
-            if (row >= out2) return;
-        }
+        if (row >= out1) row -= out1, w = w2, b = b2, y = y2, out = out2;
     }
+    bool live = row < out;
+    uint4 pre[GEMV_PRE];
+    gemv_prefetch(w + (live ? (size_t)row * in : 0), in, lane, live, pre);
+    pdl_launch_dependents();
+    pdl_wait();
+    if (norm_w) {
+        x = gemv_norm_prologue((const float*)x, norm_w, eps, N, in);
+        x_f32 = 0;
+    }
+    if (!live) return;
     if (x_f32)
-        gemv_dispatch<true>(w, b, y, out, row, x, n, in, add, lane);
+        gemv_feature<N, true>(w, pre, b, y, out, row, x, in, add, lane);
     else
-        gemv_dispatch<false>(w, b, y, out, row, x, n, in, add, lane);
+        gemv_feature<N, false>(w, pre, b, y, out, row, x, in, add, lane);
 }
 
-template <int N, bool XF32>
-__device__ __forceinline__ void swiglu_feature(const bf16_t* wg, const float* bg,
-                                               const bf16_t* wu, const float* bu, bf16_t* out,
-                                               int inter, int row, const void* x, int in,
-                                               int lane) {
+#define GEMV_PARAMS                                                                              \
+    const void *x, int x_f32, const float *norm_w, float eps, int n, int in, int add,           \
+        const bf16_t *w0, const float *b0, float *y0, int out0, const bf16_t *w1,               \
+        const float *b1, float *y1, int out1, const bf16_t *w2, const float *b2, float *y2,     \
+        int out2
+#define GEMV_ARGS x, x_f32, norm_w, eps, in, add, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, y2, out2
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_1(GEMV_PARAMS) {
+    gemv_kernel<1>(GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_2(GEMV_PARAMS) {
+    gemv_kernel<2>(GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_3(GEMV_PARAMS) {
+    gemv_kernel<3>(GEMV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_4(GEMV_PARAMS) {
+    gemv_kernel<4>(GEMV_ARGS);
+}
+
+template <int N>
+__device__ __forceinline__ void swiglu_feature(const bf16_t* wg, const uint4 pre_g[GEMV_PRE],
+                                               const float* bg, const bf16_t* wu,
+                                               const uint4 pre_u[GEMV_PRE], const float* bu,
+                                               bf16_t* out, int inter, int row, const void* x,
+                                               int in, int lane) {
     float g[N], u[N];
-    gemv_row<N, XF32>(wg + (size_t)row * in, x, in, lane, g);
-    gemv_row<N, XF32>(wu + (size_t)row * in, x, in, lane, u);
+    gemv_row<N, false>(wg + (size_t)row * in, pre_g, x, in, lane, g);
+    gemv_row<N, false>(wu + (size_t)row * in, pre_u, x, in, lane, u);
 #pragma unroll
     for (int r = 0; r < N; r++) {
         if (lane == r) {
@@ -328,42 +402,45 @@ __device__ __forceinline__ void swiglu_feature(const bf16_t* wg, const float* bg
     }
 }
 
-template <bool XF32>
-__device__ __forceinline__ void swiglu_dispatch(const bf16_t* wg, const float* bg,
-                                                const bf16_t* wu, const float* bu, bf16_t* out,
-                                                int inter, int row, const void* x, int n, int in,
-                                                int lane) {
-    switch (n) {
-        case 1: swiglu_feature<1, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
-        case 2: swiglu_feature<2, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
-        case 3: swiglu_feature<3, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
-        case 4: swiglu_feature<4, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
-        case 5: swiglu_feature<5, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
-        case 6: swiglu_feature<6, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
-        case 7: swiglu_feature<7, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
-        default: swiglu_feature<8, XF32>(wg, bg, wu, bu, out, inter, row, x, in, lane); break;
-    }
-}
-
 // out (n, inter) = bf16(silu(x · Wgᵀ (+ bg)) * (x · Wuᵀ (+ bu))): the gate and up projections
 // and the SiLU·up product in one pass, the product rounded to bf16 (the down projection's input).
-// x as for gemv_bf16 (bf16 bits, f32, or the normalized residual stream). n <= GEMV_MAX_ROWS.
-// grid (ceil(inter / GEMV_WARPS)), block 32 * GEMV_WARPS.
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
-    gemv_bf16_swiglu(const void* x, int x_f32, const float* norm_w, float eps, int n, int in,
-                     const bf16_t* wg, const float* bg, const bf16_t* wu, const float* bu,
-                     bf16_t* out, int inter) {
-    if (norm_w) {
-        x = gemv_norm_prologue((const float*)x, norm_w, eps, n, in);
-        x_f32 = 0;
-    }
+// x as for gemv_bf16 but bf16 bits or the normalized residual stream only (x_f32 must be 0: the
+// MLP's input is always a norm's output). One entry point per row count n = N. May be launched
+// with PDL. grid (ceil(inter / GEMV_WARPS)), block 32 * GEMV_WARPS.
+template <int N>
+__device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w, float eps,
+                                              int in, const bf16_t* wg, const float* bg,
+                                              const bf16_t* wu, const float* bu, bf16_t* out,
+                                              int inter) {
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= inter) return;
-    if (x_f32)
-        swiglu_dispatch<true>(wg, bg, wu, bu, out, inter, row, x, n, in, lane);
-    else
-        swiglu_dispatch<false>(wg, bg, wu, bu, out, inter, row, x, n, in, lane);
+    bool live = row < inter;
+    size_t at = live ? (size_t)row * in : 0;
+    uint4 pre_g[GEMV_PRE], pre_u[GEMV_PRE];
+    gemv_prefetch(wg + at, in, lane, live, pre_g);
+    gemv_prefetch(wu + at, in, lane, live, pre_u);
+    pdl_launch_dependents();
+    pdl_wait();
+    if (norm_w) x = gemv_norm_prologue((const float*)x, norm_w, eps, N, in);
+    if (!live) return;
+    swiglu_feature<N>(wg, pre_g, bg, wu, pre_u, bu, out, inter, row, x, in, lane);
+}
+
+#define SWIGLU_PARAMS                                                                            \
+    const void *x, int x_f32, const float *norm_w, float eps, int n, int in, const bf16_t *wg,  \
+        const float *bg, const bf16_t *wu, const float *bu, bf16_t *out, int inter
+#define SWIGLU_ARGS x, norm_w, eps, in, wg, bg, wu, bu, out, inter
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_1(SWIGLU_PARAMS) {
+    swiglu_kernel<1>(SWIGLU_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_2(SWIGLU_PARAMS) {
+    swiglu_kernel<2>(SWIGLU_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_3(SWIGLU_PARAMS) {
+    swiglu_kernel<3>(SWIGLU_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_4(SWIGLU_PARAMS) {
+    swiglu_kernel<4>(SWIGLU_ARGS);
 }
 
 // Rotary embedding of the new tokens' queries and keys, then the write of their keys and values

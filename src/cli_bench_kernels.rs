@@ -15,8 +15,8 @@ pub struct GemvBenchArgs {
     /// The GPU: `cuda` or `cuda:N`.
     #[arg(long, default_value = "cuda")]
     pub device: Device,
-    /// Token rows per product (1 to 8).
-    #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2, 4, 8])]
+    /// Token rows per product (1 to 4).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2, 4])]
     pub rows: Vec<usize>,
     /// Timed launches per measurement.
     #[arg(long, default_value_t = 200)]
@@ -72,8 +72,8 @@ pub fn run(args: GemvBenchArgs) -> Result<()> {
     let Device::Cuda(ordinal) = args.device else {
         bail!("bench gemv runs on a GPU: pass --device cuda[:N]");
     };
-    if let Some(&n) = args.rows.iter().find(|&&n| n == 0 || n > 8) {
-        bail!("--rows takes 1 to 8 (got {n})");
+    if let Some(&n) = args.rows.iter().find(|&&n| n == 0 || n > 4) {
+        bail!("--rows takes 1 to 4 (got {n})");
     }
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed);
     let mut randn =

@@ -83,7 +83,9 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
   else
     sets=("" "matmul=bf16,attn_decode=mma-bf16" "matmul=bf16,attn_decode=mma-bf16,cuda_graphs=on"
       "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv"
-      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,cuda_graphs=on")
+      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,cuda_graphs=on"
+      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on"
+      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on")
   fi
   echo "== bf16 GEMV kernels vs cuBLAS on Llama-3.2-1B's linear layers"
   timeout 240 "$td" bench gemv --device cuda 2>&1 | tee "$out/bench-gemv.log"
@@ -102,7 +104,7 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
   # PROFILE=1: where a batch-1 decode step's time goes, per kernel (Nsight Compute's duration of
   # each of 400 consecutive eager launches in the middle of decoding; clocks left alone).
   if [ "${PROFILE:-0}" = 1 ] && command -v ncu > /dev/null; then
-    echo "== ncu: llama-1b batch-1 decode, kernels by total time (${PROFILE_TOGGLES:=matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv})"
+    echo "== ncu: llama-1b batch-1 decode, kernels by total time (${PROFILE_TOGGLES:=matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on})"
     mapfile -t ta < <(toggle_args "$PROFILE_TOGGLES")
     timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
       --launch-skip 3000 --launch-count 400 \

@@ -65,7 +65,7 @@ pub enum SmallGemm {
     /// cuBLAS for every size: the reference.
     #[default]
     Cublas,
-    /// Our bf16 GEMV kernels for up to 8 tokens; cuBLAS above.
+    /// Our bf16 GEMV kernels for up to 4 tokens; cuBLAS above.
     Gemv,
 }
 
@@ -102,6 +102,11 @@ pub struct Toggles {
     pub cuda_graphs: bool,
     /// Kernels for linear layers of a few tokens (GPU, `matmul=bf16` only).
     pub small_gemm: SmallGemm,
+    /// Programmatic dependent launch of the GEMV kernels (`small_gemm=gemv`; sm_90 and later):
+    /// each starts while the kernel before it finishes, fetching its weights, and waits for the
+    /// input on the device. Numerically nothing changes; a kernel that read its input before the
+    /// wait would race, silently, so it is a toggle a replay can A/B.
+    pub pdl: bool,
     /// Prompt-encoding fault.
     pub fault_encoding: EncodingFault,
     /// Context-window fault: silently drop the oldest non-system turns until the prompt fits in N
@@ -129,6 +134,7 @@ impl Default for Toggles {
             decode_topk: None,
             cuda_graphs: false,
             small_gemm: SmallGemm::Cublas,
+            pdl: false,
             fault_encoding: EncodingFault::Off,
             fault_context_window: None,
             prefill_chunk: None,
@@ -195,7 +201,13 @@ pub const REGISTRY: &[ToggleSpec] = &[
         values: "cublas | gemv",
         default: "cublas",
         description:
-            "linear layers of <= 8 tokens with matmul=bf16: cuBLAS or our GEMVs (GPU only)",
+            "linear layers of <= 4 tokens with matmul=bf16: cuBLAS or our GEMVs (GPU only)",
+    },
+    ToggleSpec {
+        name: "pdl",
+        values: "on | off",
+        default: "off",
+        description: "programmatic dependent launch of the GEMV kernels (small_gemm=gemv, sm_90+)",
     },
     ToggleSpec {
         name: "prefill_chunk",
@@ -319,6 +331,7 @@ impl Toggles {
                     _ => return Err(bad(name, value)),
                 }
             }
+            "pdl" => self.pdl = parse_on_off(name, value, "on")?,
             "fault.encoding" => {
                 self.fault_encoding = match value {
                     "off" => EncodingFault::Off,
@@ -367,6 +380,7 @@ impl Toggles {
                 SmallGemm::Gemv => "gemv",
             }
             .to_string(),
+            "pdl" => on_off(self.pdl, "on"),
             "fault.encoding" => match self.fault_encoding {
                 EncodingFault::Off => "off",
                 EncodingFault::DropThinkingAlways => "drop_thinking_always",
@@ -512,7 +526,7 @@ mod tests {
     fn text_form_round_trips_every_toggle() {
         let s =
             "matmul=bf16,attn_scores=bf16,kv_dtype=fp8-e4m3,attn_decode=mma-bf16,decode_topk=64,\
-                 cuda_graphs=on,small_gemm=gemv,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
+                 cuda_graphs=on,small_gemm=gemv,pdl=on,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
                  fault.context_window=512,fault.prefix_cache=stale,fault.chunk=boundary";
         let t: Toggles = s.parse().unwrap();
         assert_eq!(t.to_string(), s);

@@ -30,7 +30,7 @@ pub struct GemvCase<'a> {
     pub bias: Option<&'a [f32]>,
     /// Inputs `(n, in)`.
     pub x: &'a [f32],
-    /// Input rows, 1 to 8.
+    /// Input rows, 1 to 4.
     pub n: usize,
     /// Upload `x` as f32 and let the kernel round it (the o projection reads attention's f32
     /// output); otherwise it is uploaded as bf16.
@@ -174,7 +174,7 @@ pub fn gemv(ordinal: usize, case: &GemvCase<'_>, reps: usize) -> Result<KernelRu
         None if x_f32 => GemvIn::F32(xd.ptr),
         None => GemvIn::Bf16(xd.ptr),
     };
-    let ours = |i: usize| gpu.gemv(&[(&ls[i % ls.len()], y.ptr)], input, n, add);
+    let ours = |i: usize| gpu.gemv(&[(&ls[i % ls.len()], y.ptr)], input, n, add, false);
     let theirs = |i: usize| -> Result<()> {
         let l = &ls[i % ls.len()];
         let xin = match (&norm_w, x_f32) {
@@ -231,7 +231,7 @@ pub struct SwigluCase<'a> {
     pub inp: usize,
     /// Inputs `(n, in)`, uploaded as bf16.
     pub x: &'a [f32],
-    /// Input rows, 1 to 8.
+    /// Input rows, 1 to 4.
     pub n: usize,
 }
 
@@ -265,7 +265,7 @@ pub fn swiglu(ordinal: usize, case: &SwigluCase<'_>, reps: usize) -> Result<Kern
     );
     let ours = |i: usize| {
         let (g, u) = &pairs[i % pairs.len()];
-        gpu.swiglu(g, u, GemvIn::Bf16(xd.ptr), n, out.ptr)
+        gpu.swiglu(g, u, GemvIn::Bf16(xd.ptr), n, out.ptr, false)
     };
     let theirs = |i: usize| -> Result<()> {
         let (g, u) = &pairs[i % pairs.len()];

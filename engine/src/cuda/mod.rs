@@ -181,6 +181,15 @@ impl DeviceKv {
     }
 }
 
+/// The GEMV entry point for `n` rows.
+fn gemv_for(fns: &[CudaFunction], n: usize) -> Result<&CudaFunction> {
+    n.checked_sub(1).and_then(|i| fns.get(i)).ok_or_else(|| {
+        Error::Device(format!(
+            "the GEMV kernels take 1..={GEMV_MAX_ROWS} rows, not {n}"
+        ))
+    })
+}
+
 /// The input of a GEMV launch.
 #[derive(Debug, Clone, Copy)]
 enum GemvIn {
@@ -277,8 +286,9 @@ struct Kernels {
     add_inplace: CudaFunction,
     add_bias: CudaFunction,
     f32_to_bf16: CudaFunction,
-    gemv: CudaFunction,
-    gemv_swiglu: CudaFunction,
+    /// The GEMV kernels for 1..=GEMV_MAX_ROWS rows (index rows - 1).
+    gemv: Vec<CudaFunction>,
+    gemv_swiglu: Vec<CudaFunction>,
     attention: CudaFunction,
     attention_scores: CudaFunction,
     topk_mask: CudaFunction,
@@ -353,8 +363,12 @@ impl Kernels {
             add_inplace: f("add_inplace")?,
             add_bias: f("add_bias")?,
             f32_to_bf16: f("f32_to_bf16")?,
-            gemv: f("gemv_bf16")?,
-            gemv_swiglu: f("gemv_bf16_swiglu")?,
+            gemv: (1..=GEMV_MAX_ROWS)
+                .map(|n| f(&format!("gemv_bf16_{n}")))
+                .collect::<Result<_>>()?,
+            gemv_swiglu: (1..=GEMV_MAX_ROWS)
+                .map(|n| f(&format!("gemv_bf16_swiglu_{n}")))
+                .collect::<Result<_>>()?,
             attention: f("attention")?,
             attention_scores: f("attention_scores")?,
             topk_mask: f("topk_mask")?,
@@ -406,6 +420,59 @@ impl Args {
         block: usize,
     ) -> Result<()> {
         self.launch_3d(stream, func, (grid.0, grid.1, 1), block, 0)
+    }
+
+    /// `launch_3d`, with programmatic dependent launch when `pdl` (the kernel may start before
+    /// the previous one on the stream ends; it must call `pdl_wait` before reading its input:
+    /// only the GEMV kernels do).
+    fn launch_pdl(
+        mut self,
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (usize, usize, usize),
+        block: usize,
+        shared_bytes: usize,
+        pdl: bool,
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        if !pdl {
+            return self.launch_3d(stream, func, grid, block, shared_bytes);
+        }
+        let mut params: Vec<*mut c_void> = self.slots[..self.n]
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect();
+        // SAFETY: an all-zero launch attribute value is valid (a plain C union of integers).
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0 as u32,
+            gridDimY: grid.1 as u32,
+            gridDimZ: grid.2 as u32,
+            blockDimX: block as u32,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared_bytes as u32,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as in `launch_3d`; `config` and `attr` outlive the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| dev_err("kernel launch (PDL)", e))
     }
 
     fn launch_3d(
@@ -501,7 +568,7 @@ fn ensure(
 }
 
 /// Most rows the GEMV kernels take (their `GEMV_MAX_ROWS`), and warps per block (`GEMV_WARPS`).
-const GEMV_MAX_ROWS: usize = 8;
+const GEMV_MAX_ROWS: usize = 4;
 const GEMV_WARPS: usize = 8;
 /// Most rows a decode graph takes; larger decode batches run eagerly.
 const GRAPH_MAX_ROWS: usize = 512;
@@ -553,6 +620,8 @@ struct Gpu {
     k: Kernels,
     /// Multiprocessors (for the split-K rule).
     sms: usize,
+    /// Programmatic dependent launch exists (compute capability 9.0 and later).
+    pdl_capable: bool,
     /// The cuBLAS workspace (kept alive for the handle).
     _workspace: DevBuf,
 }
@@ -594,6 +663,7 @@ impl Gpu {
             blas,
             k,
             sms,
+            pdl_capable: major >= 9,
             _workspace: workspace,
         };
         Ok((gpu, name, (major, minor)))
@@ -757,7 +827,14 @@ impl Gpu {
     /// `y_j (n, out_j) = x (n, in) · W_jᵀ (+ b_j)` for up to three bf16 matrices sharing the
     /// input, in one launch of the GEMV kernel; with `add`, `y_j +=` it (the residual stream).
     /// `n ≤ GEMV_MAX_ROWS`.
-    fn gemv(&self, mats: &[(&DevLinear, u64)], x: GemvIn, n: usize, add: bool) -> Result<()> {
+    fn gemv(
+        &self,
+        mats: &[(&DevLinear, u64)],
+        x: GemvIn,
+        n: usize,
+        add: bool,
+        pdl: bool,
+    ) -> Result<()> {
         let inp = mats.first().map_or(0, |(l, _)| l.inp);
         let (a, smem) = x.args(Args::new(), n, inp);
         let mut a = a.i(n).i(inp).i(usize::from(add));
@@ -771,17 +848,18 @@ impl Gpu {
                 None => a.p(0).p(0).p(0).i(0),
             };
         }
-        a.launch_3d(
+        a.launch_pdl(
             &self.stream,
-            &self.k.gemv,
+            gemv_for(&self.k.gemv, n)?,
             (total.div_ceil(GEMV_WARPS), 1, 1),
             32 * GEMV_WARPS,
             smem,
+            pdl && self.pdl_capable,
         )
     }
 
     /// `out (n, inter) = bf16(silu(x · Wgᵀ) · (x · Wuᵀ))`, the MLP's input to its down
-    /// projection, in one launch.
+    /// projection, in one launch. `x` is bf16 or the normalized residual stream.
     fn swiglu(
         &self,
         gate: &DevLinear,
@@ -789,7 +867,13 @@ impl Gpu {
         x: GemvIn,
         n: usize,
         out: u64,
+        pdl: bool,
     ) -> Result<()> {
+        if matches!(x, GemvIn::F32(_)) {
+            return Err(Error::Device(
+                "the fused gate/up kernel takes bf16 or normalized input".into(),
+            ));
+        }
         let (a, smem) = x.args(Args::new(), n, gate.inp);
         a.i(n)
             .i(gate.inp)
@@ -799,12 +883,13 @@ impl Gpu {
             .p(bias(up))
             .p(out)
             .i(gate.out)
-            .launch_3d(
+            .launch_pdl(
                 &self.stream,
-                &self.k.gemv_swiglu,
+                gemv_for(&self.k.gemv_swiglu, n)?,
                 (gate.out.div_ceil(GEMV_WARPS), 1, 1),
                 32 * GEMV_WARPS,
                 smem,
+                pdl && self.pdl_capable,
             )
     }
 
@@ -936,6 +1021,8 @@ struct Pass {
     mma: Option<MmaPass>,
     /// How the linear layers run.
     linears: Linears,
+    /// The GEMV kernels are launched with programmatic dependent launch (`pdl=on`).
+    pdl: bool,
     /// The logit rows are the pass's rows in order: the head reads the hidden states in place.
     logits_in_place: bool,
     logits: u64,
@@ -1095,6 +1182,7 @@ impl Inner {
             topk,
             mma,
             linears,
+            pdl: toggles.pdl,
             logits_in_place,
             logits,
             pick,
@@ -1207,12 +1295,12 @@ impl Inner {
                 _ => GemvIn::Bf16(norm(x, w, n)?),
             })
         };
-        let gemv = pass.linears != Linears::Cublas;
+        let (gemv, pdl) = (pass.linears != Linears::Cublas, pass.pdl);
         for (li, layer) in self.layers.iter().enumerate() {
             let qkv = [(&layer.q, q), (&layer.k, k), (&layer.v, v)];
             if gemv {
                 self.gpu
-                    .gemv(&qkv, gemv_normed(layer.attn_norm.ptr)?, n, false)?;
+                    .gemv(&qkv, gemv_normed(layer.attn_norm.ptr)?, n, false, pdl)?;
             } else {
                 let xin = norm(x, layer.attn_norm.ptr, n)?;
                 for (l, y) in qkv {
@@ -1340,11 +1428,12 @@ impl Inner {
             }
             if gemv {
                 // x += o(att), then x += down(silu(gate(xn)) · up(xn)): three launches.
-                self.gpu.gemv(&[(&layer.o, x)], GemvIn::F32(att), n, true)?;
-                let xin = gemv_normed(layer.mlp_norm.ptr)?;
-                self.gpu.swiglu(&layer.gate, &layer.up, xin, n, act)?;
                 self.gpu
-                    .gemv(&[(&layer.down, x)], GemvIn::Bf16(act), n, true)?;
+                    .gemv(&[(&layer.o, x)], GemvIn::F32(att), n, true, pdl)?;
+                let xin = gemv_normed(layer.mlp_norm.ptr)?;
+                self.gpu.swiglu(&layer.gate, &layer.up, xin, n, act, pdl)?;
+                self.gpu
+                    .gemv(&[(&layer.down, x)], GemvIn::Bf16(act), n, true, pdl)?;
                 continue;
             }
             let ain = self.gpu.gemm_input(att, n * q_dim, xb, pm)?;
@@ -1395,8 +1484,13 @@ impl Inner {
         };
         let hin = norm(rows_in, self.norm.ptr, r)?;
         if gemv {
-            self.gpu
-                .gemv(&[(&self.head, pass.logits)], GemvIn::Bf16(hin), r, false)?;
+            self.gpu.gemv(
+                &[(&self.head, pass.logits)],
+                GemvIn::Bf16(hin),
+                r,
+                false,
+                pdl,
+            )?;
         } else {
             self.gpu.linear(&self.head, hin, r, pass.logits, pm)?;
         }
