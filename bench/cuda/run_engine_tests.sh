@@ -7,7 +7,8 @@
 # then, on the GPU machine, from the repository root:
 #
 #   bash bench/cuda/run_engine_tests.sh [OUT_DIR]      # ONLY_1B=1: only the llama-1b figures;
-#                                                      # ONLY_TESTS=1: only the tests
+#                                                      # ONLY_TESTS=1: only the tests;
+#                                                      # ONLY_AB=1: only generate + replay A/B
 #
 # cudarc loads libcuda from the driver and libnvrtc / libcublas / libcublasLt (CUDA 13) at run
 # time; the driver ships only libcuda, so the toolkit's (or PyTorch's bundled) folders are put on
@@ -31,7 +32,7 @@ export TAPEDECK_KERNEL_CACHE="$out/kernel-cache"
 export TAPEDECK_FIXTURES="$PWD/fixtures/models"
 
 status=0
-[ "${ONLY_1B:-0}" = 1 ] || for t in "$bin"/test-*; do
+[ "${ONLY_1B:-0}" = 1 ] || [ "${ONLY_AB:-0}" = 1 ] || for t in "$bin"/test-*; do
   [ -x "$t" ] || continue
   echo "== $t"
   # Test executables find the fixtures through TAPEDECK_FIXTURES (the build machine's
@@ -61,13 +62,17 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
     tail -2 "$out/serve.log"
   }
   [ "${ONLY_1B:-0}" = 1 ] || {
-    echo "== replay A/B on the GPU (ci/compare.sh: baseline engine:tiny-qwen2 on cuda vs candidates)"
-    for cand in "cuda_graphs=on" "cuda_graphs=on,attn_decode=mma-bf16" "decode_topk=16"; do
+    echo "== replay A/B on the GPU (ci/compare.sh: engine:tiny-qwen2 on cuda, baseline | candidate toggles)"
+    for pair in "|cuda_graphs=on" "|cuda_graphs=on,attn_decode=mma-bf16" "|decode_topk=16" \
+      "matmul=bf16|matmul=bf16,small_gemm=gemv" \
+      "matmul=bf16|matmul=bf16,small_gemm=gemv,pdl=on,cuda_graphs=on"; do
+      base=${pair%%|*} cand=${pair#*|}
       timeout 120 bash ci/compare.sh --base-bin "$td" --cand-bin "$td" \
-        --base 'engine:tiny-qwen2?device=cuda' --cand "engine:tiny-qwen2?device=cuda,$cand" \
+        --base "engine:tiny-qwen2?device=cuda${base:+,$base}" --cand "engine:tiny-qwen2?device=cuda,$cand" \
         --out "$out/compare-${cand//[=,]/_}" > "$out/compare.log" 2>&1
-      echo "candidate $cand: exit $? (0 pass, 1 fail)"; tail -3 "$out/compare.log"
+      echo "baseline ${base:-default}, candidate $cand: exit $? (0 pass, 1 fail)"; tail -3 "$out/compare.log"
     done
+    [ "${ONLY_AB:-0}" = 1 ] && exit $status
     serve_check tiny-qwen2
   }
   # Each toggle set as --toggle arguments.
