@@ -219,35 +219,37 @@ __device__ __forceinline__ void gemv_prefetch(const bf16_t* w, int in, int lane,
     }
 }
 
-// acc[r] += x[r][8c .. 8c+8] · q (8 bf16 weights) for the N input rows.
+// acc[r] += x[r][k0 + 8c .. k0 + 8c + 8] · q (8 bf16 weights) for the N input rows.
 template <int N, bool XF32>
-__device__ __forceinline__ void gemv_chunk(uint4 q, const void* x, int in, int c, float acc[N]) {
+__device__ __forceinline__ void gemv_chunk(uint4 q, const void* x, int in, int k0, int c,
+                                           float acc[N]) {
     float wf[8] = {bf16_lo(q.x), bf16_hi(q.x), bf16_lo(q.y), bf16_hi(q.y),
                    bf16_lo(q.z), bf16_hi(q.z), bf16_lo(q.w), bf16_hi(q.w)};
 #pragma unroll
     for (int r = 0; r < N; r++) {
         float xv[8];
-        load_x8<XF32>(x, (size_t)r * in + (size_t)c * 8, xv);
+        load_x8<XF32>(x, (size_t)r * in + (size_t)k0 + (size_t)c * 8, xv);
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[r] = fmaf(wf[j], xv[j], acc[r]);
     }
 }
 
-// acc[r] = x[r] · w for the N input rows, w one weight row of `in` bf16 values (in % 8 == 0,
-// 16-byte aligned) whose first chunks are in `pre`; every lane of the warp gets the sums. Past the
-// prefetched chunks, U loads of 16 bytes in flight per lane.
+// acc[r] = x[r][k0 .. k0 + len] · w for the N input rows (rows of `in` values), w the matching
+// `len` bf16 weights (len % 8 == 0, 16-byte aligned) whose first chunks are in `pre`; every lane
+// of the warp gets the sums. Past the prefetched chunks, U loads of 16 bytes in flight per lane.
 template <int N, bool XF32>
 __device__ __forceinline__ void gemv_row(const bf16_t* w, const uint4 pre[GEMV_PRE],
-                                         const void* x, int in, int lane, float acc[N]) {
+                                         const void* x, int in, int k0, int len, int lane,
+                                         float acc[N]) {
     constexpr int U = N <= 2 ? 8 : 4;
 #pragma unroll
     for (int r = 0; r < N; r++) acc[r] = 0.0f;
     const uint4* wr = (const uint4*)w;
-    int chunks = in / 8;
+    int chunks = len / 8;
 #pragma unroll
     for (int u = 0; u < GEMV_PRE; u++) {
         int c = lane + 32 * u;
-        if (c < chunks) gemv_chunk<N, XF32>(pre[u], x, in, c, acc);
+        if (c < chunks) gemv_chunk<N, XF32>(pre[u], x, in, k0, c, acc);
     }
     for (int base = lane + 32 * GEMV_PRE; base < chunks; base += 32 * U) {
         uint4 q[U];
@@ -259,21 +261,18 @@ __device__ __forceinline__ void gemv_row(const bf16_t* w, const uint4 pre[GEMV_P
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = base + 32 * u;
-            if (c < chunks) gemv_chunk<N, XF32>(q[u], x, in, c, acc);
+            if (c < chunks) gemv_chunk<N, XF32>(q[u], x, in, k0, c, acc);
         }
     }
 #pragma unroll
     for (int r = 0; r < N; r++) acc[r] = warp_sum(acc[r]);
 }
 
-// One output feature `row` of y (n, out) = x · Wᵀ (+ b), stored or added to y (the residual
-// stream); lane r writes input row r.
-template <int N, bool XF32>
-__device__ __forceinline__ void gemv_feature(const bf16_t* w, const uint4 pre[GEMV_PRE],
-                                             const float* b, float* y, int out, int row,
-                                             const void* x, int in, int add, int lane) {
-    float acc[N];
-    gemv_row<N, XF32>(w + (size_t)row * in, pre, x, in, lane, acc);
+// The epilogue of output feature `row` of y (n, out) = x · Wᵀ (+ b): stored or added to y (the
+// residual stream); lane r writes input row r.
+template <int N>
+__device__ __forceinline__ void gemv_store(const float acc[N], const float* b, float* y, int out,
+                                           int row, int add, int lane) {
     float bias = b ? b[row] : 0.0f;
 #pragma unroll
     for (int r = 0; r < N; r++) {
@@ -328,16 +327,27 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
 // stream). x: bf16 bits; or f32 when x_f32 (rounded to bf16 as it is read); or with norm_w, f32
 // normalized first (gemv_norm_prologue). One entry point per row count n = N (gemv_bf16_N), so
 // that each gets the registers it needs and no more. May be launched with PDL.
-// grid (ceil((out_0 + out_1 + out_2) / GEMV_WARPS)), block 32 * GEMV_WARPS.
+//
+// `splits` warps (1, 2, 4 or 8, dividing GEMV_WARPS; in % (8 * splits) == 0) share one output
+// feature, each reading an equal slice of its row: a long row (the down projection's 8192 inputs)
+// is then fetched by several warps at once, all of it in their prefetched chunks, instead of by one
+// warp in several dependent rounds. The slices' sums are added in slice order (deterministic).
+// Only for N <= 2: with 3-4 rows the split measured slower (H200), so those entry points ignore
+// `splits` and compile to the one-warp-per-feature code alone.
+// grid (ceil((out_0 + out_1 + out_2) * splits / GEMV_WARPS)), block 32 * GEMV_WARPS.
 template <int N>
 __device__ __forceinline__ void gemv_kernel(const void* x, int x_f32, const float* norm_w,
-                                            float eps, int in, int add, const bf16_t* w0,
-                                            const float* b0, float* y0, int out0,
-                                            const bf16_t* w1, const float* b1, float* y1,
-                                            int out1, const bf16_t* w2, const float* b2,
-                                            float* y2, int out2) {
-    int lane = threadIdx.x & 31;
-    int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+                                            float eps, int in, int splits, int add,
+                                            const bf16_t* w0, const float* b0, float* y0,
+                                            int out0, const bf16_t* w1, const float* b1,
+                                            float* y1, int out1, const bf16_t* w2,
+                                            const float* b2, float* y2, int out2) {
+    __shared__ float slice_sums[GEMV_WARPS][GEMV_MAX_ROWS];
+    if (N > 2) splits = 1;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int row = blockIdx.x * (GEMV_WARPS / splits) + warp / splits;
+    int part = warp % splits;
+    int len = in / splits, k0 = part * len;
     const bf16_t* w = w0;
     const float* b = b0;
     float* y = y0;
@@ -347,27 +357,46 @@ __device__ __forceinline__ void gemv_kernel(const void* x, int x_f32, const floa
         if (row >= out1) row -= out1, w = w2, b = b2, y = y2, out = out2;
     }
     bool live = row < out;
+    const bf16_t* wr = w + (live ? (size_t)row * in + k0 : 0);
     uint4 pre[GEMV_PRE];
-    gemv_prefetch(w + (live ? (size_t)row * in : 0), in, lane, live, pre);
+    gemv_prefetch(wr, len, lane, live, pre);
     pdl_launch_dependents();
     pdl_wait();
     if (norm_w) {
         x = gemv_norm_prologue((const float*)x, norm_w, eps, N, in);
         x_f32 = 0;
     }
-    if (!live) return;
-    if (x_f32)
-        gemv_feature<N, true>(w, pre, b, y, out, row, x, in, add, lane);
-    else
-        gemv_feature<N, false>(w, pre, b, y, out, row, x, in, add, lane);
+    float acc[N];
+#pragma unroll
+    for (int r = 0; r < N; r++) acc[r] = 0.0f;
+    if (live) {
+        if (x_f32)
+            gemv_row<N, true>(wr, pre, x, in, k0, len, lane, acc);
+        else
+            gemv_row<N, false>(wr, pre, x, in, k0, len, lane, acc);
+    }
+    if (splits > 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < N; r++) slice_sums[warp][r] = acc[r];
+        }
+        __syncthreads();
+        if (part != 0) return;
+#pragma unroll
+        for (int r = 0; r < N; r++) {
+            for (int s = 1; s < splits; s++) acc[r] += slice_sums[warp + s][r];
+        }
+    }
+    if (live) gemv_store<N>(acc, b, y, out, row, add, lane);
 }
 
 #define GEMV_PARAMS                                                                              \
-    const void *x, int x_f32, const float *norm_w, float eps, int n, int in, int add,           \
+    const void *x, int x_f32, const float *norm_w, float eps, int n, int in, int splits,       \
+        int add,                                                                                \
         const bf16_t *w0, const float *b0, float *y0, int out0, const bf16_t *w1,               \
         const float *b1, float *y1, int out1, const bf16_t *w2, const float *b2, float *y2,     \
         int out2
-#define GEMV_ARGS x, x_f32, norm_w, eps, in, add, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, y2, out2
+#define GEMV_ARGS x, x_f32, norm_w, eps, in, splits, add, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, y2, out2
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_1(GEMV_PARAMS) {
     gemv_kernel<1>(GEMV_ARGS);
 }
@@ -388,8 +417,8 @@ __device__ __forceinline__ void swiglu_feature(const bf16_t* wg, const uint4 pre
                                                bf16_t* out, int inter, int row, const void* x,
                                                int in, int lane) {
     float g[N], u[N];
-    gemv_row<N, false>(wg + (size_t)row * in, pre_g, x, in, lane, g);
-    gemv_row<N, false>(wu + (size_t)row * in, pre_u, x, in, lane, u);
+    gemv_row<N, false>(wg + (size_t)row * in, pre_g, x, in, 0, in, lane, g);
+    gemv_row<N, false>(wu + (size_t)row * in, pre_u, x, in, 0, in, lane, u);
 #pragma unroll
     for (int r = 0; r < N; r++) {
         if (lane == r) {
@@ -443,6 +472,42 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_4
     swiglu_kernel<4>(SWIGLU_ARGS);
 }
 
+// Asks the L2 cache to fetch this thread's share (`part` of `parts`) of `bytes` bytes at `p`
+// (16-byte aligned, bytes a multiple of 16; p = 0 or bytes = 0 for none), and returns at once:
+// nothing waits for the data. Kernels that run while the memory system would otherwise idle (the
+// attention of a decode step reads a few MB) use it to stage the weights the next kernels read, so
+// those read them from L2 instead of HBM. sm_90+: one bulk prefetch per 64 KB; before that, one
+// prefetch per 128-byte line. A hint only: what it does to results is nothing.
+__device__ __forceinline__ void l2_prefetch_share(const char* p, long long bytes, int part,
+                                                  int parts) {
+    if (p == nullptr || bytes <= 0 || parts <= 0) return;
+    long long per = ((bytes + parts - 1) / parts + 15) & ~15LL;
+    long long lo = (long long)part * per;
+    if (lo >= bytes) return;
+    long long hi = lo + per < bytes ? lo + per : bytes;
+#if __CUDA_ARCH__ >= 900
+    for (long long o = lo; o < hi; o += 65536) {
+        unsigned size = (unsigned)(hi - o < 65536 ? hi - o : 65536);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(size)
+                     : "memory");
+    }
+#else
+    for (long long o = lo; o < hi; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+#endif
+}
+
+// Three regions for l2_prefetch_share, spread over every thread of a 2-D grid.
+#define L2_PREFETCH_PARAMS \
+    const char *pf0, long long pf0_bytes, const char *pf1, long long pf1_bytes, \
+        const char *pf2, long long pf2_bytes
+__device__ __forceinline__ void l2_prefetch_grid(L2_PREFETCH_PARAMS) {
+    int parts = gridDim.x * gridDim.y * blockDim.x;
+    int part = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+    l2_prefetch_share(pf0, pf0_bytes, part, parts);
+    l2_prefetch_share(pf1, pf1_bytes, part, parts);
+    l2_prefetch_share(pf2, pf2_bytes, part, parts);
+}
+
 // Rotary embedding of the new tokens' queries and keys, then the write of their keys and values
 // into the pool at their slots, in one launch (what a RoPE kernel followed by a KV-write kernel
 // computes, the same arithmetic, so the same bits).
@@ -453,11 +518,12 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_4
 // written back to k and v. q (n, heads, hd), k and v (n, kv_heads, hd), slots (n): -1 for a padded
 // row of a graph pass, which writes nothing to the pool.
 // grid (n, heads + kv_heads): one block per query head, then per KV head; block = hd rounded up to
-// 32 (hd ≤ 256).
+// 32 (hd ≤ 256). `pf*`: weights to stage in L2 for the kernels after attention (`l2_prefetch`).
 extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_pool,
                                          float* v_pool, const int* pos, const float* inv_freq,
                                          const int* slots, int heads, int kv_heads, int hd,
-                                         int mode) {
+                                         int mode, L2_PREFETCH_PARAMS) {
+    l2_prefetch_grid(pf0, pf0_bytes, pf1, pf1_bytes, pf2, pf2_bytes);
     __shared__ float s32[32];
     __shared__ float rotated[256];
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x, half = hd / 2;

@@ -134,13 +134,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
         // Single sequence: prefill and decode.
         let mut prefill = Vec::new();
         let mut decode = Vec::new();
+        // Device time of the decode passes (after the first token), where the backend keeps it.
+        let mut decode_busy = Vec::new();
+        let device_time = || engine.backend().device_time();
         for _ in 0..3 {
             let req = request(
                 random_prompt(vocab, args.prompt_len, &mut rng),
                 args.gen,
                 toggles,
             );
-            let out = engine.generate(&req, &mut |_| true)?;
+            let mut after_prefill = None;
+            let out = engine.generate(&req, &mut |_| {
+                after_prefill = after_prefill.or_else(device_time);
+                true
+            })?;
+            if let (Some((t0, n0)), Some((t1, n1))) = (after_prefill, device_time()) {
+                if n1 > n0 {
+                    decode_busy.push((t1 - t0).as_secs_f64() / (n1 - n0) as f64);
+                }
+            }
             let p = out.timings.prefill.as_secs_f64();
             prefill.push(args.prompt_len as f64 / p);
             let d = out.timings.total.as_secs_f64()
@@ -180,6 +192,19 @@ pub fn run(args: BenchArgs) -> Result<()> {
             },
             weight_bytes as f64 * decode_rate / 1e9
         );
+        if !decode_busy.is_empty() {
+            // The rest of a step is host work: scheduling, the pass's index upload and the
+            // launch, reading the token back.
+            let busy = median(decode_busy);
+            let step = 1.0 / decode_rate.max(1e-9);
+            println!(
+                "decode step: {:.1} µs wall, {:.1} µs on the device ({:.0}% busy), {:.0} GB/s while busy",
+                step * 1e6,
+                busy * 1e6,
+                100.0 * busy / step,
+                weight_bytes as f64 / busy / 1e9
+            );
+        }
         let handle = EngineHandle::start(
             engine.clone(),
             SchedulerConfig {

@@ -9,6 +9,9 @@
 #   bash bench/cuda/run_engine_tests.sh [OUT_DIR]      # ONLY_1B=1: only the llama-1b figures;
 #                                                      # ONLY_TESTS=1: only the tests;
 #                                                      # ONLY_AB=1: only generate + replay A/B
+#                                                      # LLAMA1B_CONC=1,16: concurrency levels
+#                                                      # EXTRAS=0: skip 8k prefill, serve and
+#                                                      #   transformers in the llama-1b part
 #
 # cudarc loads libcuda from the driver and libnvrtc / libcublas / libcublasLt (CUDA 13) at run
 # time; the driver ships only libcuda, so the toolkit's (or PyTorch's bundled) folders are put on
@@ -99,13 +102,15 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
     mapfile -t ta < <(toggle_args "$t")
     timeout ${LLAMA1B_TIMEOUT:-240} "$td" bench engine --device cuda --model llama-1b \
       "${ta[@]}" --prompt-len 512 --gen 64 \
-      --concurrency 1,16,64 --turns 0 --kv-budget-mib 8192 2>&1 | tee -a "$out/bench-llama-1b.log"
+      --concurrency "${LLAMA1B_CONC:-1,16,64}" --turns 0 --kv-budget-mib 8192 2>&1 | tee -a "$out/bench-llama-1b.log"
   done
+  [ "${EXTRAS:-1}" = 1 ] && {
   echo "== llama-1b prefill at 8k tokens (bf16 GEMMs, tiled f32 attention)"
   timeout 240 "$td" bench engine --device cuda --model llama-1b --toggle matmul=bf16 \
     --prompt-len 8192 --gen 4 --concurrency 1 --turns 0 --kv-budget-mib 8192 2>&1 \
     | tee -a "$out/bench-llama-1b.log"
   serve_check "$HOME/.cache/tapedeck/bench/llama-1b"
+  }
   # PROFILE=1: where a batch-1 decode step's time goes, per kernel (Nsight Compute's duration of
   # each of 400 consecutive eager launches in the middle of decoding; clocks left alone).
   if [ "${PROFILE:-0}" = 1 ] && command -v ncu > /dev/null; then
@@ -122,8 +127,10 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
   echo "== llama-1b: CUDA logits against the CPU engine"
   TAPEDECK_LLAMA1B="$HOME/.cache/tapedeck/bench/llama-1b" timeout 300 "$bin/test-cuda" \
     cuda_llama_1b --nocapture 2>&1 | grep -E "llama-1b|test result|panicked" | tee -a "$out/test-cuda-llama-1b.log"
+  [ "${EXTRAS:-1}" = 1 ] && {
   echo "== transformers on the same llama-1b weights"
   timeout 240 python3 bench/cuda/hf_decode.py "$HOME/.cache/tapedeck/bench/llama-1b" 512 64 2>&1 \
     | grep -v Warning | tail -3 | tee -a "$out/bench-llama-1b.log"
+  }
 fi
 exit $status

@@ -87,6 +87,14 @@ pub trait Backend: Send + Sync {
 
     /// Worker threads used on the host (for the CPU backend, the compute threads).
     fn threads(&self) -> usize;
+
+    /// Device time spent in forward passes so far (from the upload of a pass's inputs to its
+    /// last kernel, as the device's own clock measures it) and the number of passes; `None`
+    /// where the host is the device. Against wall time it says how much of a decode step the
+    /// accelerator is busy and how much is host work between steps.
+    fn device_time(&self) -> Option<(std::time::Duration, u64)> {
+        None
+    }
 }
 
 /// The CPU reference: [`Model::forward`] on a private rayon pool.

@@ -187,7 +187,7 @@ fn cuda_gemv_kernel_matches_a_float64_reference() {
     }
     use tapedeck_engine::cuda::check::{gemv, GemvCase};
     let mut r = rng();
-    // (out, in, row counts): Llama-3.2-1B's shapes, a tiny one, random ones.
+    // (out, in, row counts): Llama-3.2-1B's shapes, a tiny one, random ones (short and long).
     let all: Vec<usize> = (1..=4).collect();
     let mut cases = vec![
         (2048usize, 2048usize, vec![1, 2, 4]),
@@ -199,6 +199,14 @@ fn cuda_gemv_kernel_matches_a_float64_reference() {
         cases.push((
             r.random_range(1..1500),
             8 * r.random_range(1..256),
+            all.clone(),
+        ));
+    }
+    // Rows longer than one warp's prefetch: 2, 4 or 8 warps share an output feature.
+    for _ in 0..2 {
+        cases.push((
+            r.random_range(1..1500),
+            16 * r.random_range(129..1200),
             all.clone(),
         ));
     }
@@ -376,6 +384,7 @@ fn cuda_matches_cpu_on_both_fixtures_under_every_numeric_toggle() {
             ("attn_decode=mma-bf16", 2e-2),
             ("matmul=bf16,small_gemm=gemv", 2e-2),
             ("matmul=bf16,small_gemm=gemv,pdl=on", 2e-2),
+            ("matmul=bf16,small_gemm=gemv,pdl=on,l2_prefetch=1", 2e-2),
         ];
         for &(toggles, tol) in cases {
             let t: Toggles = toggles.parse().unwrap();
@@ -784,6 +793,8 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
         ("matmul=bf16,attn_scores=bf16", 0.0),
         ("matmul=bf16,small_gemm=gemv", 0.0),
         ("matmul=bf16,small_gemm=gemv,pdl=on", 0.0),
+        ("matmul=bf16,small_gemm=gemv,pdl=on,l2_prefetch=1", 0.0),
+        ("l2_prefetch=1", 0.0),
         ("attn_decode=mma-bf16", 1e-5),
     ] {
         let score = |t: &str| {
@@ -813,16 +824,25 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
             .fold(0.0f32, f32::max);
         println!("{toggles:?}: graphs vs eager, worst |Δ logprob| {worst:e}");
         assert!(worst <= bound, "{toggles}: {worst:e} > {bound:e}");
-        if toggles.contains("pdl=on") {
-            // Early launch changes only when kernels start: every bit must be the same as
-            // without it (a GEMV that read its input before its wait would race).
-            let plain = score(&toggles.replace(",pdl=on", ""));
+        // Early launch changes only when kernels start, and L2 staging only where the weights
+        // come from: every bit must be the same as without them (a GEMV that read its input
+        // before its wait would race).
+        for speed_only in ["l2_prefetch=1", "pdl=on"] {
+            if !toggles.contains(speed_only) {
+                continue;
+            }
+            let without = toggles
+                .split(',')
+                .filter(|t| *t != speed_only)
+                .collect::<Vec<_>>()
+                .join(",");
+            let plain = score(&without);
             let same = plain.iter().zip(&eager).all(|(a, b)| {
                 a.logprob.to_bits() == b.logprob.to_bits()
                     && a.top.iter().map(|t| t.0).eq(b.top.iter().map(|t| t.0))
             });
-            println!("{toggles:?}: identical to pdl=off: {same}");
-            assert!(same, "{toggles}: pdl=on changed the logprobs");
+            println!("{toggles:?}: identical to [{without}]: {same}");
+            assert!(same, "{toggles}: {speed_only} changed the logprobs");
         }
     }
 }
@@ -864,6 +884,10 @@ fn cuda_llama_1b_logits_match_the_cpu_engine() {
         ("matmul=bf16,attn_decode=mma-bf16,cuda_graphs=on", 5e-2),
         (
             "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on",
+            5e-2,
+        ),
+        (
+            "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on,l2_prefetch=32",
             5e-2,
         ),
     ] {

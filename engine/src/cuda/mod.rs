@@ -21,7 +21,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result as dr;
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream};
 
 use crate::backend::{Backend, Device};
 use crate::config::Config;
@@ -222,6 +222,27 @@ fn bias(l: &DevLinear) -> u64 {
     l.b.as_ref().map_or(0, |b| b.ptr)
 }
 
+/// What `l2_prefetch` stages in L2 during a layer's attention, as `(address, bytes)`: the first
+/// `budget` bytes of the weights read right after it, in the precision the pass reads (the o
+/// projection, then gate and up in equal parts, since their kernel reads both at once).
+fn l2_regions(layer: &DevLayer, p: Precision, budget: usize) -> [(u64, usize); 3] {
+    let weights = |l: &DevLinear| match p {
+        Precision::F32 => (l.w.ptr, l.out * l.inp * 4),
+        Precision::Bf16 => (l.w_bf16.ptr, l.out * l.inp * 2),
+    };
+    let (o, o_len) = weights(&layer.o);
+    let o_len = o_len.min(budget);
+    // Halves of what is left, rounded down to the kernels' 16-byte granularity.
+    let rest = (budget - o_len) / 2;
+    let (g, g_len) = weights(&layer.gate);
+    let (u, u_len) = weights(&layer.up);
+    [
+        (o, o_len & !15),
+        (g, g_len.min(rest) & !15),
+        (u, u_len.min(rest) & !15),
+    ]
+}
+
 /// A linear layer on the device: f32 weights for `matmul=f32`, bf16 bits for `matmul=bf16`.
 struct DevLinear {
     /// (out, in) f32
@@ -408,6 +429,11 @@ impl Args {
         self.push(v as i32 as u32 as u64)
     }
 
+    /// A `long long` argument.
+    fn l(self, v: usize) -> Self {
+        self.push(v as u64)
+    }
+
     fn f(self, v: f32) -> Self {
         self.push(v.to_bits() as u64)
     }
@@ -570,6 +596,25 @@ fn ensure(
 /// Most rows the GEMV kernels take (their `GEMV_MAX_ROWS`), and warps per block (`GEMV_WARPS`).
 const GEMV_MAX_ROWS: usize = 4;
 const GEMV_WARPS: usize = 8;
+/// Inputs one GEMV warp holds in its prefetched chunks (32 lanes × `GEMV_PRE` 8 × 8 bf16).
+const GEMV_SLICE: usize = 2048;
+
+/// Warps that share one output feature of a GEMV of `n` rows over `inp` inputs: doubled (up to
+/// a block) while a warp's slice is longer than what it prefetches, so a long row (the down
+/// projection's 8192) is fetched by several warps at once rather than by one in dependent rounds
+/// (H200, down projection: 15.5 → 13.3 µs at one row). Each slice must stay a whole number of
+/// 16-byte chunks. One warp per feature for 3-4 rows, where splitting measured slower (the
+/// kernels for 3-4 rows ignore the argument).
+fn gemv_splits(inp: usize, n: usize) -> usize {
+    let mut s = 1;
+    if n > 2 {
+        return s;
+    }
+    while s < GEMV_WARPS && inp > s * GEMV_SLICE && inp.is_multiple_of(16 * s) {
+        s *= 2;
+    }
+    s
+}
 /// Most rows a decode graph takes; larger decode batches run eagerly.
 const GRAPH_MAX_ROWS: usize = 512;
 /// Graphs kept before the cache is emptied (each holds a few hundred nodes).
@@ -683,6 +728,15 @@ struct Inner {
     gemv_fits: bool,
     /// Captured decode steps, and the scratch generation they were captured at.
     graphs: std::collections::HashMap<GraphKey, Graph>,
+    /// Events around each pass, and the device time of all passes so far (with their count).
+    timing: (CudaEvent, CudaEvent),
+    busy: (std::time::Duration, u64),
+}
+
+/// An event that records a time stamp (for [`Backend::device_time`]).
+fn timing_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
+    ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(|e| dev_err("creating a timing event", e))
 }
 
 /// The engine on one NVIDIA GPU.
@@ -740,6 +794,8 @@ impl CudaBackend {
             gpu,
             scratch: Scratch::default(),
             graphs: Default::default(),
+            timing: (timing_event(&ctx)?, timing_event(&ctx)?),
+            busy: Default::default(),
             gemv_fits: [
                 cfg.hidden_size,
                 cfg.num_heads * cfg.head_dim,
@@ -836,8 +892,9 @@ impl Gpu {
         pdl: bool,
     ) -> Result<()> {
         let inp = mats.first().map_or(0, |(l, _)| l.inp);
+        let splits = gemv_splits(inp, n);
         let (a, smem) = x.args(Args::new(), n, inp);
-        let mut a = a.i(n).i(inp).i(usize::from(add));
+        let mut a = a.i(n).i(inp).i(splits).i(usize::from(add));
         let mut total = 0;
         for j in 0..3 {
             a = match mats.get(j) {
@@ -851,7 +908,7 @@ impl Gpu {
         a.launch_pdl(
             &self.stream,
             gemv_for(&self.k.gemv, n)?,
-            (total.div_ceil(GEMV_WARPS), 1, 1),
+            ((total * splits).div_ceil(GEMV_WARPS), 1, 1),
             32 * GEMV_WARPS,
             smem,
             pdl && self.pdl_capable,
@@ -987,6 +1044,9 @@ impl Backend for CudaBackend {
         let kv = pool.device_mut()?;
         let pad = graph_pad(segs, toggles);
         let pass = inner.prepare(&self.ctx, cfg, segs, &where_, bs, toggles, pad)?;
+        let stream = &inner.gpu.stream;
+        let started = inner.timing.0.record(stream);
+        started.map_err(|e| dev_err("recording a timing event", e))?;
         // SAFETY: the meta buffer holds at least `meta.data.len()` i32s.
         unsafe {
             dr::memcpy_htod_async(pass.meta_ptr, &pass.meta.data, inner.gpu.stream.cu_stream())
@@ -996,10 +1056,24 @@ impl Backend for CudaBackend {
             None => inner.record(cfg, kv, &pass)?,
             Some(pad) => inner.replay(cfg, kv, &pass, pad, toggles)?,
         }
+        let ended = inner.timing.1.record(&inner.gpu.stream);
+        ended.map_err(|e| dev_err("recording a timing event", e))?;
         for sg in segs.iter_mut() {
             sg.table.len += sg.tokens.len();
         }
-        inner.collect(segs, &pass, cfg.vocab_size)
+        let out = inner.collect(segs, &pass, cfg.vocab_size)?;
+        // Both events have completed: collect waited for the stream.
+        let (start, end) = &inner.timing;
+        let ms = start
+            .elapsed_ms(end)
+            .map_err(|e| dev_err("reading a timing event", e))?;
+        inner.busy.0 += std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3);
+        inner.busy.1 += 1;
+        Ok(out)
+    }
+
+    fn device_time(&self) -> Option<(std::time::Duration, u64)> {
+        self.inner.lock().ok().map(|i| i.busy)
     }
 }
 
@@ -1023,6 +1097,9 @@ struct Pass {
     linears: Linears,
     /// The GEMV kernels are launched with programmatic dependent launch (`pdl=on`).
     pdl: bool,
+    /// Bytes of each layer's post-attention weights to stage in L2 during attention
+    /// (`l2_prefetch`; 0 for none).
+    l2_prefetch: usize,
     /// The logit rows are the pass's rows in order: the head reads the hidden states in place.
     logits_in_place: bool,
     logits: u64,
@@ -1183,6 +1260,7 @@ impl Inner {
             mma,
             linears,
             pdl: toggles.pdl,
+            l2_prefetch: toggles.l2_prefetch.map_or(0, |m| m.get() << 20),
             logits_in_place,
             logits,
             pick,
@@ -1308,7 +1386,7 @@ impl Inner {
                 }
             }
             let (kp, vp) = (kv.k[li].ptr, kv.v[li].ptr);
-            Args::new()
+            let a = Args::new()
                 .p(q)
                 .p(k)
                 .p(v)
@@ -1320,8 +1398,11 @@ impl Inner {
                 .i(nh)
                 .i(nkv)
                 .i(hd)
-                .i(pass.kv_mode)
-                .launch(s, &kn.rope_kv_write, (n, nh + nkv), hd.div_ceil(32) * 32)?;
+                .i(pass.kv_mode);
+            let a = l2_regions(layer, pm, pass.l2_prefetch)
+                .iter()
+                .fold(a, |a, &(p, len)| a.p(p).l(len));
+            a.launch(s, &kn.rope_kv_write, (n, nh + nkv), hd.div_ceil(32) * 32)?;
             // The arguments the SIMT attention kernels share: where each token's context is, and
             // the head shapes.
             let context = |a: Args, rows: u64| {
@@ -1573,6 +1654,35 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gemv_slices_are_whole_chunks_and_fit_the_prefetch() {
+        for (inp, want) in [
+            (64, 1),
+            (2048, 1),
+            (2056, 1),
+            (2064, 2),
+            (3072, 2),
+            (8192, 4),
+            (8200, 1),
+        ] {
+            assert_eq!(gemv_splits(inp, 1), want, "{inp} inputs");
+            assert_eq!(gemv_splits(inp, 2), want, "{inp} inputs");
+            assert_eq!(gemv_splits(inp, 3), 1, "{inp} inputs, 3 rows");
+        }
+        for inp in (8..70_000).step_by(8) {
+            let s = gemv_splits(inp, 1);
+            assert!(GEMV_WARPS.is_multiple_of(s), "{inp}: {s}");
+            assert!(
+                (inp / s).is_multiple_of(8) && inp.is_multiple_of(s),
+                "{inp}: {s}"
+            );
+            // Split no further only when a block is full, the slice fits, or halves would not be
+            // whole chunks.
+            let stop = s == GEMV_WARPS || inp / s <= GEMV_SLICE || !inp.is_multiple_of(16 * s);
+            assert!(stop, "{inp}: {s}");
+        }
+    }
 
     #[test]
     fn split_rule_covers_every_context_and_fills_the_gpu() {
