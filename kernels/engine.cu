@@ -472,42 +472,6 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_4
     swiglu_kernel<4>(SWIGLU_ARGS);
 }
 
-// Asks the L2 cache to fetch this thread's share (`part` of `parts`) of `bytes` bytes at `p`
-// (16-byte aligned, bytes a multiple of 16; p = 0 or bytes = 0 for none), and returns at once:
-// nothing waits for the data. Kernels that run while the memory system would otherwise idle (the
-// attention of a decode step reads a few MB) use it to stage the weights the next kernels read, so
-// those read them from L2 instead of HBM. sm_90+: one bulk prefetch per 64 KB; before that, one
-// prefetch per 128-byte line. A hint only: what it does to results is nothing.
-__device__ __forceinline__ void l2_prefetch_share(const char* p, long long bytes, int part,
-                                                  int parts) {
-    if (p == nullptr || bytes <= 0 || parts <= 0) return;
-    long long per = ((bytes + parts - 1) / parts + 15) & ~15LL;
-    long long lo = (long long)part * per;
-    if (lo >= bytes) return;
-    long long hi = lo + per < bytes ? lo + per : bytes;
-#if __CUDA_ARCH__ >= 900
-    for (long long o = lo; o < hi; o += 65536) {
-        unsigned size = (unsigned)(hi - o < 65536 ? hi - o : 65536);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + o), "r"(size)
-                     : "memory");
-    }
-#else
-    for (long long o = lo; o < hi; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-#endif
-}
-
-// Three regions for l2_prefetch_share, spread over every thread of a 2-D grid.
-#define L2_PREFETCH_PARAMS \
-    const char *pf0, long long pf0_bytes, const char *pf1, long long pf1_bytes, \
-        const char *pf2, long long pf2_bytes
-__device__ __forceinline__ void l2_prefetch_grid(L2_PREFETCH_PARAMS) {
-    int parts = gridDim.x * gridDim.y * blockDim.x;
-    int part = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-    l2_prefetch_share(pf0, pf0_bytes, part, parts);
-    l2_prefetch_share(pf1, pf1_bytes, part, parts);
-    l2_prefetch_share(pf2, pf2_bytes, part, parts);
-}
-
 // Rotary embedding of the new tokens' queries and keys, then the write of their keys and values
 // into the pool at their slots, in one launch (what a RoPE kernel followed by a KV-write kernel
 // computes, the same arithmetic, so the same bits).
@@ -518,12 +482,11 @@ __device__ __forceinline__ void l2_prefetch_grid(L2_PREFETCH_PARAMS) {
 // written back to k and v. q (n, heads, hd), k and v (n, kv_heads, hd), slots (n): -1 for a padded
 // row of a graph pass, which writes nothing to the pool.
 // grid (n, heads + kv_heads): one block per query head, then per KV head; block = hd rounded up to
-// 32 (hd ≤ 256). `pf*`: weights to stage in L2 for the kernels after attention (`l2_prefetch`).
+// 32 (hd ≤ 256).
 extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_pool,
                                          float* v_pool, const int* pos, const float* inv_freq,
                                          const int* slots, int heads, int kv_heads, int hd,
-                                         int mode, L2_PREFETCH_PARAMS) {
-    l2_prefetch_grid(pf0, pf0_bytes, pf1, pf1_bytes, pf2, pf2_bytes);
+                                         int mode) {
     __shared__ float s32[32];
     __shared__ float rotated[256];
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x, half = hd / 2;

@@ -107,12 +107,6 @@ pub struct Toggles {
     /// input on the device. Numerically nothing changes; a kernel that read its input before the
     /// wait would race, silently, so it is a toggle a replay can A/B.
     pub pdl: bool,
-    /// L2 staging of weights (GPU): while a layer's attention runs (a decode step's attention
-    /// reads a few MB and leaves memory bandwidth idle), ask the L2 cache to fetch the first N MiB
-    /// of the weights the layer reads next (the o projection, then gate and up), so those kernels
-    /// find them in L2. A cache hint: results are bit-identical; only speed can change, and a
-    /// budget larger than the L2 evicts what it staged before it is read.
-    pub l2_prefetch: Option<NonZeroUsize>,
     /// Prompt-encoding fault.
     pub fault_encoding: EncodingFault,
     /// Context-window fault: silently drop the oldest non-system turns until the prompt fits in N
@@ -141,7 +135,6 @@ impl Default for Toggles {
             cuda_graphs: false,
             small_gemm: SmallGemm::Cublas,
             pdl: false,
-            l2_prefetch: None,
             fault_encoding: EncodingFault::Off,
             fault_context_window: None,
             prefill_chunk: None,
@@ -215,12 +208,6 @@ pub const REGISTRY: &[ToggleSpec] = &[
         values: "on | off",
         default: "off",
         description: "programmatic dependent launch of the GEMV kernels (small_gemm=gemv, sm_90+)",
-    },
-    ToggleSpec {
-        name: "l2_prefetch",
-        values: "off | N",
-        default: "off",
-        description: "stage N MiB of each layer's o/gate/up weights in L2 during attention (GPU)",
     },
     ToggleSpec {
         name: "prefill_chunk",
@@ -345,7 +332,6 @@ impl Toggles {
                 }
             }
             "pdl" => self.pdl = parse_on_off(name, value, "on")?,
-            "l2_prefetch" => self.l2_prefetch = parse_off_or_n(name, value)?,
             "fault.encoding" => {
                 self.fault_encoding = match value {
                     "off" => EncodingFault::Off,
@@ -395,7 +381,6 @@ impl Toggles {
             }
             .to_string(),
             "pdl" => on_off(self.pdl, "on"),
-            "l2_prefetch" => off_or_n(self.l2_prefetch),
             "fault.encoding" => match self.fault_encoding {
                 EncodingFault::Off => "off",
                 EncodingFault::DropThinkingAlways => "drop_thinking_always",
@@ -541,7 +526,7 @@ mod tests {
     fn text_form_round_trips_every_toggle() {
         let s =
             "matmul=bf16,attn_scores=bf16,kv_dtype=fp8-e4m3,attn_decode=mma-bf16,decode_topk=64,\
-                 cuda_graphs=on,small_gemm=gemv,pdl=on,l2_prefetch=40,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
+                 cuda_graphs=on,small_gemm=gemv,pdl=on,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
                  fault.context_window=512,fault.prefix_cache=stale,fault.chunk=boundary";
         let t: Toggles = s.parse().unwrap();
         assert_eq!(t.to_string(), s);

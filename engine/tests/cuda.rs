@@ -384,7 +384,6 @@ fn cuda_matches_cpu_on_both_fixtures_under_every_numeric_toggle() {
             ("attn_decode=mma-bf16", 2e-2),
             ("matmul=bf16,small_gemm=gemv", 2e-2),
             ("matmul=bf16,small_gemm=gemv,pdl=on", 2e-2),
-            ("matmul=bf16,small_gemm=gemv,pdl=on,l2_prefetch=1", 2e-2),
         ];
         for &(toggles, tol) in cases {
             let t: Toggles = toggles.parse().unwrap();
@@ -793,8 +792,6 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
         ("matmul=bf16,attn_scores=bf16", 0.0),
         ("matmul=bf16,small_gemm=gemv", 0.0),
         ("matmul=bf16,small_gemm=gemv,pdl=on", 0.0),
-        ("matmul=bf16,small_gemm=gemv,pdl=on,l2_prefetch=1", 0.0),
-        ("l2_prefetch=1", 0.0),
         ("attn_decode=mma-bf16", 1e-5),
     ] {
         let score = |t: &str| {
@@ -824,10 +821,9 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
             .fold(0.0f32, f32::max);
         println!("{toggles:?}: graphs vs eager, worst |Δ logprob| {worst:e}");
         assert!(worst <= bound, "{toggles}: {worst:e} > {bound:e}");
-        // Early launch changes only when kernels start, and L2 staging only where the weights
-        // come from: every bit must be the same as without them (a GEMV that read its input
-        // before its wait would race).
-        for speed_only in ["l2_prefetch=1", "pdl=on"] {
+        // Early launch changes only when kernels start: every bit must be the same as without it
+        // (a GEMV that read its input before its wait would race).
+        for speed_only in ["pdl=on"] {
             if !toggles.contains(speed_only) {
                 continue;
             }
@@ -884,10 +880,6 @@ fn cuda_llama_1b_logits_match_the_cpu_engine() {
         ("matmul=bf16,attn_decode=mma-bf16,cuda_graphs=on", 5e-2),
         (
             "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on",
-            5e-2,
-        ),
-        (
-            "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on,l2_prefetch=32",
             5e-2,
         ),
     ] {

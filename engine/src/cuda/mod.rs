@@ -222,27 +222,6 @@ fn bias(l: &DevLinear) -> u64 {
     l.b.as_ref().map_or(0, |b| b.ptr)
 }
 
-/// What `l2_prefetch` stages in L2 during a layer's attention, as `(address, bytes)`: the first
-/// `budget` bytes of the weights read right after it, in the precision the pass reads (the o
-/// projection, then gate and up in equal parts, since their kernel reads both at once).
-fn l2_regions(layer: &DevLayer, p: Precision, budget: usize) -> [(u64, usize); 3] {
-    let weights = |l: &DevLinear| match p {
-        Precision::F32 => (l.w.ptr, l.out * l.inp * 4),
-        Precision::Bf16 => (l.w_bf16.ptr, l.out * l.inp * 2),
-    };
-    let (o, o_len) = weights(&layer.o);
-    let o_len = o_len.min(budget);
-    // Halves of what is left, rounded down to the kernels' 16-byte granularity.
-    let rest = (budget - o_len) / 2;
-    let (g, g_len) = weights(&layer.gate);
-    let (u, u_len) = weights(&layer.up);
-    [
-        (o, o_len & !15),
-        (g, g_len.min(rest) & !15),
-        (u, u_len.min(rest) & !15),
-    ]
-}
-
 /// A linear layer on the device: f32 weights for `matmul=f32`, bf16 bits for `matmul=bf16`.
 struct DevLinear {
     /// (out, in) f32
@@ -427,11 +406,6 @@ impl Args {
 
     fn i(self, v: usize) -> Self {
         self.push(v as i32 as u32 as u64)
-    }
-
-    /// A `long long` argument.
-    fn l(self, v: usize) -> Self {
-        self.push(v as u64)
     }
 
     fn f(self, v: f32) -> Self {
@@ -1097,9 +1071,6 @@ struct Pass {
     linears: Linears,
     /// The GEMV kernels are launched with programmatic dependent launch (`pdl=on`).
     pdl: bool,
-    /// Bytes of each layer's post-attention weights to stage in L2 during attention
-    /// (`l2_prefetch`; 0 for none).
-    l2_prefetch: usize,
     /// The logit rows are the pass's rows in order: the head reads the hidden states in place.
     logits_in_place: bool,
     logits: u64,
@@ -1260,7 +1231,6 @@ impl Inner {
             mma,
             linears,
             pdl: toggles.pdl,
-            l2_prefetch: toggles.l2_prefetch.map_or(0, |m| m.get() << 20),
             logits_in_place,
             logits,
             pick,
@@ -1386,7 +1356,7 @@ impl Inner {
                 }
             }
             let (kp, vp) = (kv.k[li].ptr, kv.v[li].ptr);
-            let a = Args::new()
+            Args::new()
                 .p(q)
                 .p(k)
                 .p(v)
@@ -1398,11 +1368,8 @@ impl Inner {
                 .i(nh)
                 .i(nkv)
                 .i(hd)
-                .i(pass.kv_mode);
-            let a = l2_regions(layer, pm, pass.l2_prefetch)
-                .iter()
-                .fold(a, |a, &(p, len)| a.p(p).l(len));
-            a.launch(s, &kn.rope_kv_write, (n, nh + nkv), hd.div_ceil(32) * 32)?;
+                .i(pass.kv_mode)
+                .launch(s, &kn.rope_kv_write, (n, nh + nkv), hd.div_ceil(32) * 32)?;
             // The arguments the SIMT attention kernels share: where each token's context is, and
             // the head shapes.
             let context = |a: Args, rows: u64| {
