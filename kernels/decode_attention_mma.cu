@@ -42,6 +42,15 @@
 
 namespace da {
 
+// Programmatic dependent launch (sm_90+; no-ops before, and when launched normally): let the next
+// kernel launch early, and wait for the previous kernel to complete before reading anything.
+__device__ __forceinline__ void pdl_start() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -424,6 +433,7 @@ decode_attn_mma_bf16kv(float* out, const float* q, const unsigned short* k_pool,
                        int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
                        int split_len, int max_splits, float scale) {
   extern __shared__ __align__(16) unsigned char da_smem[];
+  da::pdl_start();
   if (head_dim == 64)
     da::mma_impl<unsigned short, 64>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
                                      max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len,
@@ -440,6 +450,7 @@ decode_attn_mma_f32kv(float* out, const float* q, const float* k_pool, const flo
                       int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
                       int split_len, int max_splits, float scale) {
   extern __shared__ __align__(16) unsigned char da_smem[];
+  da::pdl_start();
   if (head_dim == 64)
     da::mma_impl<float, 64>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
                             max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len, max_splits, scale,
@@ -459,10 +470,9 @@ decode_attn_combine(float* out, const float* partial_out, const float* partial_m
   __shared__ float acc_s[DA_COMBINE_THREADS];
   __shared__ float wsum_s[DA_COMBINE_THREADS];
   const int h = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x;
-#if __CUDA_ARCH__ >= 900
-  // Let the next kernel (the o projection's GEMV, launched with PDL) start fetching its weights.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+  // Let the next kernel (the o projection's GEMV, launched with PDL) start fetching its weights;
+  // wait for the mma kernel when this one was launched with PDL too (pdl=all).
+  da::pdl_start();
   if (h >= num_heads || head_dim <= 0 || head_dim > DA_COMBINE_THREADS || split_len <= 0) return;
   const int len = context_lens[seq];
   const size_t sh = (size_t)seq * num_heads + h;

@@ -74,9 +74,12 @@ __device__ float block_max(float v, float* shared32) {
 // Programmatic dependent launch (sm_90+; no-ops before): a kernel launched with the
 // programmatic-stream-serialization attribute may start while the kernel before it still runs,
 // once every block of that kernel has called pdl_launch_dependents. It must call pdl_wait before
-// it reads anything an earlier kernel wrote, and write nothing before. The GEMV kernels prefetch
-// their weights (constant) first, then wait: the weight fetch overlaps the previous kernel's tail
-// and the launch latency.
+// it reads anything an earlier kernel wrote, and write nothing before; pdl_wait returns once the
+// kernel before it has completed (and so, transitively, every earlier one). The GEMV kernels
+// prefetch their weights (constant) first, then wait: the weight fetch overlaps the previous
+// kernel's tail and the launch latency. Kernels that pdl=all also launches this way (RoPE + KV
+// write, decode attention and its merge, the final RMSNorm, the token pick) trigger and wait at
+// their start: launched normally, both are no-ops.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -104,6 +107,7 @@ extern "C" __global__ void embed_gather(float* out, const float* table, const un
 extern "C" __global__ void rms_norm(float* out, bf16_t* out_bf16, const float* x, const float* w,
                                     int d, float eps) {
     pdl_launch_dependents();
+    pdl_wait();
     __shared__ float s32[32];
     const float* xr = x + (size_t)blockIdx.x * d;
     float ss = 0.0f;
@@ -487,6 +491,8 @@ extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_
                                          float* v_pool, const int* pos, const float* inv_freq,
                                          const int* slots, int heads, int kv_heads, int hd,
                                          int mode) {
+    pdl_launch_dependents();
+    pdl_wait();
     __shared__ float s32[32];
     __shared__ float rotated[256];
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x, half = hd / 2;
@@ -831,6 +837,8 @@ __device__ double block_sum_f64(double v, double* shared32) {
 // chunks, k). grid (picks, chunks), block PICK_THREADS.
 extern "C" __global__ void pick_partial(const float* logits, int vocab, const int* rows, int k,
                                         double* stats, unsigned long long* top) {
+    pdl_launch_dependents();
+    pdl_wait();
     __shared__ unsigned long long s_u[32];
     __shared__ double s_d[33];
     __shared__ float s_f[32];
@@ -897,6 +905,8 @@ extern "C" __global__ void pick_finish(const float* logits, int vocab, const int
                                        const int* chosen, int k, int chunks,
                                        const double* stats, const unsigned long long* top,
                                        unsigned int* out) {
+    pdl_launch_dependents();
+    pdl_wait();
     __shared__ unsigned long long cand[PICK_MAX_CHUNKS * PICK_MAX_K];
     __shared__ unsigned long long s_u[32];
     int p = blockIdx.x, n = chunks * k;

@@ -68,7 +68,9 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
     echo "== replay A/B on the GPU (ci/compare.sh: engine:tiny-qwen2 on cuda, baseline | candidate toggles)"
     for pair in "|cuda_graphs=on" "|cuda_graphs=on,attn_decode=mma-bf16" "|decode_topk=16" \
       "matmul=bf16|matmul=bf16,small_gemm=gemv" \
-      "matmul=bf16|matmul=bf16,small_gemm=gemv,pdl=on,cuda_graphs=on"; do
+      "matmul=bf16|matmul=bf16,small_gemm=gemv,pdl=on,cuda_graphs=on" \
+      "matmul=bf16|matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=all,cuda_graphs=on" \
+      "|kv_dtype=bf16" "matmul=bf16|matmul=bf16,kv_dtype=fp8-e4m3"; do
       base=${pair%%|*} cand=${pair#*|}
       timeout 120 bash ci/compare.sh --base-bin "$td" --cand-bin "$td" \
         --base "engine:tiny-qwen2?device=cuda${base:+,$base}" --cand "engine:tiny-qwen2?device=cuda,$cand" \
@@ -93,7 +95,8 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
       "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv"
       "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,cuda_graphs=on"
       "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on"
-      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on")
+      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on"
+      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=all,cuda_graphs=on")
   fi
   echo "== bf16 GEMV kernels vs cuBLAS on Llama-3.2-1B's linear layers"
   timeout 240 "$td" bench gemv --device cuda 2>&1 | tee "$out/bench-gemv.log"

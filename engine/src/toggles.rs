@@ -69,6 +69,26 @@ pub enum SmallGemm {
     Gemv,
 }
 
+/// Which GPU kernels are launched with programmatic dependent launch (sm_90 and later; ignored
+/// before and on the CPU).
+///
+/// Such a kernel may start while the one before it still runs and waits for it on the device, so
+/// launch latency and the ramp-up of one kernel hide behind the tail of the previous one; with the
+/// GEMV kernels the weight fetch itself overlaps. Numerically nothing changes; a kernel that read
+/// its input before its wait would race, silently, so it is a toggle a replay can A/B.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Pdl {
+    /// Every kernel waits for the previous one to finish before it starts: the reference.
+    #[default]
+    Off,
+    /// The GEMV kernels (`small_gemm=gemv`), which prefetch their weights before they wait
+    /// (text form `on`).
+    Gemv,
+    /// Also RoPE + KV write, decode attention and its split merge, the final RMSNorm and the token
+    /// pick: one chain of early launches through the whole decode step.
+    All,
+}
+
 /// An encoding fault: a deliberately wrong prompt-encoding rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum EncodingFault {
@@ -102,11 +122,8 @@ pub struct Toggles {
     pub cuda_graphs: bool,
     /// Kernels for linear layers of a few tokens (GPU, `matmul=bf16` only).
     pub small_gemm: SmallGemm,
-    /// Programmatic dependent launch of the GEMV kernels (`small_gemm=gemv`; sm_90 and later):
-    /// each starts while the kernel before it finishes, fetching its weights, and waits for the
-    /// input on the device. Numerically nothing changes; a kernel that read its input before the
-    /// wait would race, silently, so it is a toggle a replay can A/B.
-    pub pdl: bool,
+    /// Programmatic dependent launch (see [`Pdl`]).
+    pub pdl: Pdl,
     /// Prompt-encoding fault.
     pub fault_encoding: EncodingFault,
     /// Context-window fault: silently drop the oldest non-system turns until the prompt fits in N
@@ -134,7 +151,7 @@ impl Default for Toggles {
             decode_topk: None,
             cuda_graphs: false,
             small_gemm: SmallGemm::Cublas,
-            pdl: false,
+            pdl: Pdl::Off,
             fault_encoding: EncodingFault::Off,
             fault_context_window: None,
             prefill_chunk: None,
@@ -205,9 +222,10 @@ pub const REGISTRY: &[ToggleSpec] = &[
     },
     ToggleSpec {
         name: "pdl",
-        values: "on | off",
+        values: "off | on | all",
         default: "off",
-        description: "programmatic dependent launch of the GEMV kernels (small_gemm=gemv, sm_90+)",
+        description:
+            "programmatic dependent launch (sm_90+): on = the GEMV kernels, all = every decode kernel",
     },
     ToggleSpec {
         name: "prefill_chunk",
@@ -331,7 +349,14 @@ impl Toggles {
                     _ => return Err(bad(name, value)),
                 }
             }
-            "pdl" => self.pdl = parse_on_off(name, value, "on")?,
+            "pdl" => {
+                self.pdl = match value {
+                    "off" => Pdl::Off,
+                    "on" => Pdl::Gemv,
+                    "all" => Pdl::All,
+                    _ => return Err(bad(name, value)),
+                }
+            }
             "fault.encoding" => {
                 self.fault_encoding = match value {
                     "off" => EncodingFault::Off,
@@ -380,7 +405,12 @@ impl Toggles {
                 SmallGemm::Gemv => "gemv",
             }
             .to_string(),
-            "pdl" => on_off(self.pdl, "on"),
+            "pdl" => match self.pdl {
+                Pdl::Off => "off",
+                Pdl::Gemv => "on",
+                Pdl::All => "all",
+            }
+            .to_string(),
             "fault.encoding" => match self.fault_encoding {
                 EncodingFault::Off => "off",
                 EncodingFault::DropThinkingAlways => "drop_thinking_always",
@@ -526,7 +556,7 @@ mod tests {
     fn text_form_round_trips_every_toggle() {
         let s =
             "matmul=bf16,attn_scores=bf16,kv_dtype=fp8-e4m3,attn_decode=mma-bf16,decode_topk=64,\
-                 cuda_graphs=on,small_gemm=gemv,pdl=on,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
+                 cuda_graphs=on,small_gemm=gemv,pdl=all,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
                  fault.context_window=512,fault.prefix_cache=stale,fault.chunk=boundary";
         let t: Toggles = s.parse().unwrap();
         assert_eq!(t.to_string(), s);
@@ -534,6 +564,16 @@ mod tests {
         let json = serde_json::to_string(&t).unwrap();
         assert_eq!(serde_json::from_str::<Toggles>(&json).unwrap(), t);
         assert!(t.has_fault());
+    }
+
+    #[test]
+    fn pdl_on_keeps_meaning_the_gemv_kernels() {
+        // Runs recorded before `pdl=all` existed say `pdl=on`: it must still read as GEMV-only.
+        let t: Toggles = "pdl=on".parse().unwrap();
+        assert_eq!(t.pdl, Pdl::Gemv);
+        assert_eq!(t.to_string(), "pdl=on");
+        assert_eq!("pdl=all".parse::<Toggles>().unwrap().pdl, Pdl::All);
+        assert!("pdl=yes".parse::<Toggles>().is_err());
     }
 
     #[test]

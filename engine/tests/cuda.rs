@@ -384,6 +384,7 @@ fn cuda_matches_cpu_on_both_fixtures_under_every_numeric_toggle() {
             ("attn_decode=mma-bf16", 2e-2),
             ("matmul=bf16,small_gemm=gemv", 2e-2),
             ("matmul=bf16,small_gemm=gemv,pdl=on", 2e-2),
+            ("matmul=bf16,small_gemm=gemv,pdl=all", 2e-2),
         ];
         for &(toggles, tol) in cases {
             let t: Toggles = toggles.parse().unwrap();
@@ -792,6 +793,12 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
         ("matmul=bf16,attn_scores=bf16", 0.0),
         ("matmul=bf16,small_gemm=gemv", 0.0),
         ("matmul=bf16,small_gemm=gemv,pdl=on", 0.0),
+        ("matmul=bf16,small_gemm=gemv,pdl=all", 0.0),
+        (
+            "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=all",
+            1e-5,
+        ),
+        ("pdl=all", 0.0),
         ("attn_decode=mma-bf16", 1e-5),
     ] {
         let score = |t: &str| {
@@ -822,8 +829,8 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
         println!("{toggles:?}: graphs vs eager, worst |Δ logprob| {worst:e}");
         assert!(worst <= bound, "{toggles}: {worst:e} > {bound:e}");
         // Early launch changes only when kernels start: every bit must be the same as without it
-        // (a GEMV that read its input before its wait would race).
-        for speed_only in ["pdl=on"] {
+        // (a kernel that read its input before its wait would race).
+        for speed_only in ["pdl=on", "pdl=all"] {
             if !toggles.contains(speed_only) {
                 continue;
             }
@@ -880,6 +887,10 @@ fn cuda_llama_1b_logits_match_the_cpu_engine() {
         ("matmul=bf16,attn_decode=mma-bf16,cuda_graphs=on", 5e-2),
         (
             "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on",
+            5e-2,
+        ),
+        (
+            "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=all,cuda_graphs=on",
             5e-2,
         ),
     ] {

@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::model::{KvPool, Logits, Model, Segment, WantLogits};
 use crate::models::llama::{batch_positions, Linear};
 use crate::numerics::round_bf16;
-use crate::toggles::{AttnDecode, KvDtype, Precision, SmallGemm, Toggles};
+use crate::toggles::{AttnDecode, KvDtype, Pdl, Precision, SmallGemm, Toggles};
 use meta::{build_meta, device_pick, parse_pick, pick_words, Meta, Pad, PICK_CHUNK};
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -424,7 +424,8 @@ impl Args {
 
     /// `launch_3d`, with programmatic dependent launch when `pdl` (the kernel may start before
     /// the previous one on the stream ends; it must call `pdl_wait` before reading its input:
-    /// only the GEMV kernels do).
+    /// the GEMV kernels, RoPE + KV write, RMSNorm, decode attention and its merge and the picks
+    /// do).
     fn launch_pdl(
         mut self,
         stream: &CudaStream,
@@ -1069,8 +1070,11 @@ struct Pass {
     mma: Option<MmaPass>,
     /// How the linear layers run.
     linears: Linears,
-    /// The GEMV kernels are launched with programmatic dependent launch (`pdl=on`).
+    /// The GEMV kernels are launched with programmatic dependent launch (`pdl=on` or `all`).
     pdl: bool,
+    /// So are the other kernels of a decode step (`pdl=all`): RoPE + KV write, the mma decode
+    /// kernel and its merge, the final RMSNorm and the picks.
+    pdl_all: bool,
     /// The logit rows are the pass's rows in order: the head reads the hidden states in place.
     logits_in_place: bool,
     logits: u64,
@@ -1230,7 +1234,8 @@ impl Inner {
             topk,
             mma,
             linears,
-            pdl: toggles.pdl,
+            pdl: toggles.pdl != Pdl::Off,
+            pdl_all: toggles.pdl == Pdl::All && self.gpu.pdl_capable,
             logits_in_place,
             logits,
             pick,
@@ -1316,7 +1321,8 @@ impl Inner {
             .launch(s, &kn.embed_gather, (n, 1), 256)?;
         // RMSNorm of `rows` rows of `src`, written as the next GEMM's input: f32 into `xn`, or
         // rounded to bf16 into `xb` in the same launch. Returns where it went.
-        let norm = |src: u64, w: u64, rows: usize| -> Result<u64> {
+        // `early`: launched with PDL (pdl=all).
+        let norm_pdl = |src: u64, w: u64, rows: usize, early: bool| -> Result<u64> {
             let (out, out_bf16) = match pm {
                 Precision::F32 => (xn, 0),
                 Precision::Bf16 => (0, xb),
@@ -1328,9 +1334,11 @@ impl Inner {
                 .p(w)
                 .i(h)
                 .f(cfg.rms_norm_eps)
-                .launch(s, &kn.rms_norm, (rows, 1), 256)?;
+                .launch_pdl(s, &kn.rms_norm, (rows, 1, 1), 256, 0, early)?;
             Ok(out.max(out_bf16))
         };
+        let norm = |src: u64, w: u64, rows: usize| norm_pdl(src, w, rows, false);
+        let early = pass.pdl_all;
         // The GEMV kernels' input: the residual stream normalized with `w`, by the kernel itself
         // or by the RMSNorm kernel before it.
         let gemv_normed = |w: u64| -> Result<GemvIn> {
@@ -1369,7 +1377,14 @@ impl Inner {
                 .i(nkv)
                 .i(hd)
                 .i(pass.kv_mode)
-                .launch(s, &kn.rope_kv_write, (n, nh + nkv), hd.div_ceil(32) * 32)?;
+                .launch_pdl(
+                    s,
+                    &kn.rope_kv_write,
+                    (n, nh + nkv, 1),
+                    hd.div_ceil(32) * 32,
+                    0,
+                    early,
+                )?;
             // The arguments the SIMT attention kernels share: where each token's context is, and
             // the head shapes.
             let context = |a: Args, rows: u64| {
@@ -1444,12 +1459,13 @@ impl Inner {
                     .i(m.split_len)
                     .i(m.max_splits)
                     .f(pass.scale)
-                    .launch_3d(
+                    .launch_pdl(
                         s,
                         &kn.decode_mma,
                         (nkv, nr, m.max_splits),
                         128,
                         kernels::DECODE_MMA_SMEM,
+                        early,
                     )?;
                 Args::new()
                     .p(m.o_dec)
@@ -1460,7 +1476,7 @@ impl Inner {
                     .i(hd)
                     .i(m.split_len)
                     .i(m.max_splits)
-                    .launch(s, &kn.decode_combine, (nh, nr), 256)?;
+                    .launch_pdl(s, &kn.decode_combine, (nh, nr, 1), 256, 0, early)?;
                 if m.gather {
                     Args::new().p(att).p(m.o_dec).p(rows).i(q_dim).launch(
                         s,
@@ -1530,7 +1546,7 @@ impl Inner {
             )?;
             tmp
         };
-        let hin = norm(rows_in, self.norm.ptr, r)?;
+        let hin = norm_pdl(rows_in, self.norm.ptr, r, early)?;
         if gemv {
             self.gpu.gemv(
                 &[(&self.head, pass.logits)],
@@ -1551,7 +1567,7 @@ impl Inner {
                 .i(k)
                 .p(stats)
                 .p(top)
-                .launch(s, &kn.pick_partial, (p, chunks), 256)?;
+                .launch_pdl(s, &kn.pick_partial, (p, chunks, 1), 256, 0, early)?;
             Args::new()
                 .p(pass.logits)
                 .i(vocab)
@@ -1562,7 +1578,7 @@ impl Inner {
                 .p(stats)
                 .p(top)
                 .p(out)
-                .launch(s, &kn.pick_finish, (p, 1), 256)?;
+                .launch_pdl(s, &kn.pick_finish, (p, 1, 1), 256, 0, early)?;
         }
         Ok(())
     }
