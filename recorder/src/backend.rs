@@ -249,6 +249,9 @@ pub struct CacheStats {
     pub kv_blocks_used: u64,
     /// KV blocks in the pool.
     pub kv_blocks_total: u64,
+    /// Device time of the engine's forward passes so far and their count, where the engine runs
+    /// on an accelerator (its busy fraction is the rate of the first).
+    pub device_busy: Option<(std::time::Duration, u64)>,
 }
 
 /// The in-process engine behind a one-at-a-time semaphore.
@@ -562,6 +565,7 @@ impl Backend for SchedulerBackend {
             prefill_tokens: s.prefill_tokens.load(Ordering::Relaxed),
             kv_blocks_used: s.kv_blocks_used.load(Ordering::Relaxed) as u64,
             kv_blocks_total: s.kv_blocks_total.load(Ordering::Relaxed) as u64,
+            device_busy: self.handle.engine().backend().device_time(),
         })
     }
 }

@@ -18,6 +18,7 @@ pub mod kernels;
 mod meta;
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result as dr;
@@ -703,9 +704,8 @@ struct Inner {
     gemv_fits: bool,
     /// Captured decode steps, and the scratch generation they were captured at.
     graphs: std::collections::HashMap<GraphKey, Graph>,
-    /// Events around each pass, and the device time of all passes so far (with their count).
+    /// Events around each pass (see [`CudaBackend::busy_ns`]).
     timing: (CudaEvent, CudaEvent),
-    busy: (std::time::Duration, u64),
 }
 
 /// An event that records a time stamp (for [`Backend::device_time`]).
@@ -722,6 +722,10 @@ pub struct CudaBackend {
     describe: String,
     ctx: Arc<CudaContext>,
     inner: Mutex<Inner>,
+    /// Device time of all passes so far, in nanoseconds, and their count: atomics, so `/metrics`
+    /// reads them without waiting for the pass that holds `inner`.
+    busy_ns: AtomicU64,
+    passes: AtomicU64,
 }
 
 impl CudaBackend {
@@ -770,7 +774,6 @@ impl CudaBackend {
             scratch: Scratch::default(),
             graphs: Default::default(),
             timing: (timing_event(&ctx)?, timing_event(&ctx)?),
-            busy: Default::default(),
             gemv_fits: [
                 cfg.hidden_size,
                 cfg.num_heads * cfg.head_dim,
@@ -786,6 +789,8 @@ impl CudaBackend {
             ordinal,
             ctx,
             inner: Mutex::new(inner),
+            busy_ns: AtomicU64::new(0),
+            passes: AtomicU64::new(0),
         })
     }
 }
@@ -1042,13 +1047,16 @@ impl Backend for CudaBackend {
         let ms = start
             .elapsed_ms(end)
             .map_err(|e| dev_err("reading a timing event", e))?;
-        inner.busy.0 += std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3);
-        inner.busy.1 += 1;
+        let ns = (f64::from(ms.max(0.0)) * 1e6) as u64;
+        self.busy_ns.fetch_add(ns, Ordering::Relaxed);
+        self.passes.fetch_add(1, Ordering::Relaxed);
         Ok(out)
     }
 
     fn device_time(&self) -> Option<(std::time::Duration, u64)> {
-        self.inner.lock().ok().map(|i| i.busy)
+        let ns = self.busy_ns.load(Ordering::Relaxed);
+        let passes = self.passes.load(Ordering::Relaxed);
+        Some((std::time::Duration::from_nanos(ns), passes))
     }
 }
 

@@ -206,6 +206,21 @@ impl Metrics {
                 "KV cache blocks in the pool.",
                 c.kv_blocks_total,
             );
+            if let Some((busy, passes)) = c.device_busy {
+                let name = "tapedeck_device_busy_seconds_total";
+                let _ = writeln!(
+                    out,
+                    "# HELP {name} Accelerator time spent in forward passes (its rate is the busy fraction).\n\
+                     # TYPE {name} counter\n{name} {}",
+                    busy.as_secs_f64()
+                );
+                counter(
+                    &mut out,
+                    "tapedeck_device_forward_passes_total",
+                    "Forward passes run on the accelerator.",
+                    passes,
+                );
+            }
         }
         gauge(
             &mut out,
@@ -238,5 +253,43 @@ impl Metrics {
             writer.failed,
         );
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value(text: &str, name: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .map(|v| v.parse().unwrap())
+    }
+
+    #[test]
+    fn device_time_shows_only_where_the_engine_has_a_device() {
+        let m = Metrics::default();
+        let cache = CacheStats {
+            prefill_tokens: 7,
+            ..Default::default()
+        };
+        let cpu = m.render(Load::default(), Some(cache), WriterStats::default());
+        assert_eq!(value(&cpu, "tapedeck_prefill_tokens_total"), Some(7.0));
+        assert_eq!(value(&cpu, "tapedeck_device_busy_seconds_total"), None);
+        let busy = (std::time::Duration::from_micros(2_500_250), 1234);
+        let gpu = CacheStats {
+            device_busy: Some(busy),
+            ..cache
+        };
+        let gpu = m.render(Load::default(), Some(gpu), WriterStats::default());
+        assert_eq!(
+            value(&gpu, "tapedeck_device_busy_seconds_total"),
+            Some(2.50025)
+        );
+        assert_eq!(
+            value(&gpu, "tapedeck_device_forward_passes_total"),
+            Some(1234.0)
+        );
+        assert!(gpu.contains("# TYPE tapedeck_device_busy_seconds_total counter"));
     }
 }
