@@ -40,7 +40,8 @@ status=0
   echo "== $t"
   # Test executables find the fixtures through TAPEDECK_FIXTURES (the build machine's
   # CARGO_MANIFEST_DIR is baked in and does not exist here).
-  if ! "$t" --test-threads=1 --nocapture 2>&1 | tee "$out/$(basename "$t").log"; then
+  # A hung kernel (e.g. a PDL wait that never returns) must not eat the whole device call.
+  if ! timeout "${TEST_TIMEOUT:-300}" "$t" --test-threads=1 --nocapture 2>&1 | tee "$out/$(basename "$t").log"; then
     status=1
   fi
 done
