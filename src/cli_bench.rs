@@ -192,6 +192,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
             },
             weight_bytes as f64 * decode_rate / 1e9
         );
+        if let tapedeck_engine::backend::Device::Cuda(ordinal) = args.device {
+            // The roofline: weight bytes over the GPU's measured copy bandwidth (256 MiB
+            // buffers, well past any L2), taken here so the figure and the run share a machine.
+            match tapedeck_engine::cuda::check::copy_bandwidth(ordinal, 256 << 20, 40) {
+                Ok(bw) => {
+                    let roofline = bw / weight_bytes as f64;
+                    println!(
+                        "roofline: {:.0} GB/s device copy bandwidth -> {roofline:.0} tokens/s at batch 1; this run {:.1}% of it",
+                        bw / 1e9,
+                        100.0 * decode_rate / roofline
+                    );
+                }
+                Err(e) => println!("roofline: copy bandwidth not measured ({e})"),
+            }
+        }
         if !decode_busy.is_empty() {
             // The rest of a step is host work: scheduling, the pass's index upload and the
             // launch, reading the token back.

@@ -303,3 +303,39 @@ pub fn swiglu(ordinal: usize, case: &SwigluCase<'_>, reps: usize) -> Result<Kern
         cublas_us: time(&ctx, &gpu, reps, theirs)?,
     })
 }
+
+/// Device-to-device copy bandwidth of GPU `ordinal`, in bytes per second counting what is read
+/// and what is written: the memory roofline a batch-1 decode step, which reads every weight once,
+/// is measured against (weight bytes / this = the fastest possible step). Copies `bytes` bytes
+/// `reps` times between two buffers, after one untimed copy.
+pub fn copy_bandwidth(ordinal: usize, bytes: usize, reps: usize) -> Result<f64> {
+    if bytes == 0 || reps == 0 {
+        return Err(Error::Device(
+            "a bandwidth measurement needs bytes and repetitions".into(),
+        ));
+    }
+    let ctx = context(ordinal)?;
+    let stream = ctx
+        .new_stream()
+        .map_err(|e| dev_err("creating a stream", e))?;
+    let (src, dst) = (DevBuf::new(&ctx, bytes)?, DevBuf::new(&ctx, bytes)?);
+    let copy = || {
+        // SAFETY: both buffers hold `bytes` bytes.
+        unsafe { dr::memcpy_dtod_async(dst.ptr, src.ptr, bytes, stream.cu_stream()) }
+            .map_err(|e| dev_err("device-to-device copy", e))
+    };
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = ctx.new_event(flags).map_err(|e| dev_err("event", e))?;
+    let end = ctx.new_event(flags).map_err(|e| dev_err("event", e))?;
+    copy()?;
+    start
+        .record(&stream)
+        .map_err(|e| dev_err("recording an event", e))?;
+    for _ in 0..reps {
+        copy()?;
+    }
+    end.record(&stream)
+        .map_err(|e| dev_err("recording an event", e))?;
+    let ms = start.elapsed_ms(&end).map_err(|e| dev_err("timing", e))?;
+    Ok(2.0 * (bytes * reps) as f64 / (f64::from(ms) / 1e3))
+}
