@@ -10,9 +10,10 @@
 use std::sync::Arc;
 
 use cudarc::driver::result as dr;
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaStream};
 
-use super::{bf16_bits, dev_err, probe, Args, DevBuf, DevLinear, GemvIn, Gpu, Precision};
+use super::Precision;
+use super::{bf16_bits, dev_err, probe, timing_event, Args, DevBuf, DevLinear, GemvIn, Gpu};
 use super::{GEMV_MAX_ROWS, GEMV_NORM_SMEM};
 use crate::error::{Error, Result};
 
@@ -80,27 +81,26 @@ fn upload<T: Copy>(gpu: &Gpu, buf: &DevBuf, data: &[T]) -> Result<()> {
         .map_err(|e| dev_err("uploading", e))
 }
 
-/// Mean microseconds of `f(i)` (which launches on `gpu`'s stream) over runs `i` in `0..reps`.
+/// Mean microseconds of `f(i)` (which launches on `stream`) over runs `i` in `0..reps`, after
+/// one untimed run.
 fn time(
     ctx: &Arc<CudaContext>,
-    gpu: &Gpu,
+    stream: &CudaStream,
     reps: usize,
     mut f: impl FnMut(usize) -> Result<()>,
 ) -> Result<f64> {
     if reps == 0 {
         return Ok(0.0);
     }
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let start = ctx.new_event(flags).map_err(|e| dev_err("event", e))?;
-    let end = ctx.new_event(flags).map_err(|e| dev_err("event", e))?;
+    let (start, end) = (timing_event(ctx)?, timing_event(ctx)?);
     f(0)?;
     start
-        .record(&gpu.stream)
+        .record(stream)
         .map_err(|e| dev_err("recording an event", e))?;
     for i in 0..reps {
         f(i)?;
     }
-    end.record(&gpu.stream)
+    end.record(stream)
         .map_err(|e| dev_err("recording an event", e))?;
     let ms = start.elapsed_ms(&end).map_err(|e| dev_err("timing", e))?;
     Ok(ms as f64 * 1000.0 / reps as f64)
@@ -213,8 +213,8 @@ pub fn gemv(ordinal: usize, case: &GemvCase<'_>, reps: usize) -> Result<KernelRu
     Ok(KernelRun {
         ours: ours_y,
         cublas: cublas_y,
-        ours_us: time(&ctx, &gpu, reps, ours)?,
-        cublas_us: time(&ctx, &gpu, reps, theirs)?,
+        ours_us: time(&ctx, &gpu.stream, reps, ours)?,
+        cublas_us: time(&ctx, &gpu.stream, reps, theirs)?,
     })
 }
 
@@ -299,8 +299,8 @@ pub fn swiglu(ordinal: usize, case: &SwigluCase<'_>, reps: usize) -> Result<Kern
     Ok(KernelRun {
         ours: ours_y,
         cublas: cublas_y,
-        ours_us: time(&ctx, &gpu, reps, ours)?,
-        cublas_us: time(&ctx, &gpu, reps, theirs)?,
+        ours_us: time(&ctx, &gpu.stream, reps, ours)?,
+        cublas_us: time(&ctx, &gpu.stream, reps, theirs)?,
     })
 }
 
@@ -319,23 +319,10 @@ pub fn copy_bandwidth(ordinal: usize, bytes: usize, reps: usize) -> Result<f64> 
         .new_stream()
         .map_err(|e| dev_err("creating a stream", e))?;
     let (src, dst) = (DevBuf::new(&ctx, bytes)?, DevBuf::new(&ctx, bytes)?);
-    let copy = || {
+    let us = time(&ctx, &stream, reps, |_| {
         // SAFETY: both buffers hold `bytes` bytes.
         unsafe { dr::memcpy_dtod_async(dst.ptr, src.ptr, bytes, stream.cu_stream()) }
             .map_err(|e| dev_err("device-to-device copy", e))
-    };
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let start = ctx.new_event(flags).map_err(|e| dev_err("event", e))?;
-    let end = ctx.new_event(flags).map_err(|e| dev_err("event", e))?;
-    copy()?;
-    start
-        .record(&stream)
-        .map_err(|e| dev_err("recording an event", e))?;
-    for _ in 0..reps {
-        copy()?;
-    }
-    end.record(&stream)
-        .map_err(|e| dev_err("recording an event", e))?;
-    let ms = start.elapsed_ms(&end).map_err(|e| dev_err("timing", e))?;
-    Ok(2.0 * (bytes * reps) as f64 / (f64::from(ms) / 1e3))
+    })?;
+    Ok(2.0 * bytes as f64 / (us / 1e6))
 }

@@ -1024,9 +1024,11 @@ impl Backend for CudaBackend {
         let kv = pool.device_mut()?;
         let pad = graph_pad(segs, toggles);
         let pass = inner.prepare(&self.ctx, cfg, segs, &where_, bs, toggles, pad)?;
-        let stream = &inner.gpu.stream;
-        let started = inner.timing.0.record(stream);
-        started.map_err(|e| dev_err("recording a timing event", e))?;
+        inner
+            .timing
+            .0
+            .record(&inner.gpu.stream)
+            .map_err(|e| dev_err("recording a timing event", e))?;
         // SAFETY: the meta buffer holds at least `meta.data.len()` i32s.
         unsafe {
             dr::memcpy_htod_async(pass.meta_ptr, &pass.meta.data, inner.gpu.stream.cu_stream())
@@ -1036,8 +1038,11 @@ impl Backend for CudaBackend {
             None => inner.record(cfg, kv, &pass)?,
             Some(pad) => inner.replay(cfg, kv, &pass, pad, toggles)?,
         }
-        let ended = inner.timing.1.record(&inner.gpu.stream);
-        ended.map_err(|e| dev_err("recording a timing event", e))?;
+        inner
+            .timing
+            .1
+            .record(&inner.gpu.stream)
+            .map_err(|e| dev_err("recording a timing event", e))?;
         for sg in segs.iter_mut() {
             sg.table.len += sg.tokens.len();
         }
