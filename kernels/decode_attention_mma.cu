@@ -262,18 +262,28 @@ __device__ __forceinline__ int load_bt_round(const int* __restrict__ btrow, int 
   return btrow[pos0 / bs];
 }
 
-template <typename T, int D>
+// 8 bytes of q through L2 only: the persistent decode kernel (decode_step.cu) writes q in the same
+// launch, so it must not come through the read-only path a const __restrict__ pointer allows.
+__device__ __forceinline__ float2 load_f2_cg(const float* p) {
+  float2 r;
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(r.x), "=f"(r.y) : "l"(p));
+  return r;
+}
+
+// Block (kvh, seq, split) of the mma kernels, by threads 0..127 of the block. NAMED: the block is
+// wider (the persistent decode kernel's 256 threads, the rest elsewhere), so the epilogue meets
+// at named barrier 1 of 128 threads instead of __syncthreads.
+template <typename T, int D, bool NAMED>
 __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* __restrict__ q,
                                          const T* __restrict__ kp, const T* __restrict__ vp,
                                          const int* __restrict__ block_tables, const int* __restrict__ context_lens,
                                          float* __restrict__ partial_out, float* __restrict__ partial_ml, int mbps,
                                          int nh, int nkv, int bs, int split_len, int max_splits, float scale,
-                                         unsigned char* smem) {
+                                         unsigned char* smem, int kvh, int seq, int split) {
   typedef Geo<T, D> G;
   static_assert(G::STAGES >= 1, "DA_SMEM_BYTES too small");
   static_assert(32 + 16 * D <= G::REGION / 4, "epilogue does not fit the warp region");
 
-  const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
   if (nkv <= 0 || nh % nkv != 0) return;
   const int group = nh / nkv;
   if (group < 1 || group > 16 || (bs & 15) != 0 || bs <= 0 || (split_len & 15) != 0 || split_len <= 0) return;
@@ -299,12 +309,12 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
       float2 a, a8, b, b8;
       a.x = a.y = a8.x = a8.y = b.x = b.y = b8.x = b8.y = 0.f;
       if (g < group) {
-        a = *reinterpret_cast<const float2*>(qh + (size_t)g * D + d0);
-        a8 = *reinterpret_cast<const float2*>(qh + (size_t)g * D + d0 + 8);
+        a = load_f2_cg(qh + (size_t)g * D + d0);
+        a8 = load_f2_cg(qh + (size_t)g * D + d0 + 8);
       }
       if (g + 8 < group) {
-        b = *reinterpret_cast<const float2*>(qh + (size_t)(g + 8) * D + d0);
-        b8 = *reinterpret_cast<const float2*>(qh + (size_t)(g + 8) * D + d0 + 8);
+        b = load_f2_cg(qh + (size_t)(g + 8) * D + d0);
+        b8 = load_f2_cg(qh + (size_t)(g + 8) * D + d0 + 8);
       }
       qf[kk][0] = pack_bf16x2_rne(a.x, a.y);
       qf[kk][1] = pack_bf16x2_rne(b.x, b.y);
@@ -396,7 +406,10 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
     *reinterpret_cast<float2*>(wo + g * D + 8 * j + 2 * c) = u;
     *reinterpret_cast<float2*>(wo + (g + 8) * D + 8 * j + 2 * c) = v;
   }
-  __syncthreads();
+  if (NAMED)
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+  else
+    __syncthreads();
 
   for (int idx = threadIdx.x; idx < group * D; idx += DA_THREADS) {
     const int r = idx / D, d = idx % D;
@@ -435,13 +448,13 @@ decode_attn_mma_bf16kv(float* out, const float* q, const unsigned short* k_pool,
   extern __shared__ __align__(16) unsigned char da_smem[];
   da::pdl_start();
   if (head_dim == 64)
-    da::mma_impl<unsigned short, 64>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
+    da::mma_impl<unsigned short, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
                                      max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len,
-                                     max_splits, scale, da_smem);
+                                     max_splits, scale, da_smem, blockIdx.x, blockIdx.y, blockIdx.z);
   else if (head_dim == 128)
-    da::mma_impl<unsigned short, 128>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
+    da::mma_impl<unsigned short, 128, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
                                       max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len,
-                                      max_splits, scale, da_smem);
+                                      max_splits, scale, da_smem, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
 extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
@@ -452,27 +465,26 @@ decode_attn_mma_f32kv(float* out, const float* q, const float* k_pool, const flo
   extern __shared__ __align__(16) unsigned char da_smem[];
   da::pdl_start();
   if (head_dim == 64)
-    da::mma_impl<float, 64>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
+    da::mma_impl<float, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
                             max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len, max_splits, scale,
-                            da_smem);
+                            da_smem, blockIdx.x, blockIdx.y, blockIdx.z);
   else if (head_dim == 128)
-    da::mma_impl<float, 128>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
+    da::mma_impl<float, 128, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
                              max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len, max_splits, scale,
-                             da_smem);
+                             da_smem, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
 // Merge the splits: out = sum_s w_s * O_s / sum_s w_s with w_s = 2^(m_s - max m) * l_s.
 // grid (num_heads, num_seqs), block DA_COMBINE_THREADS.
-extern "C" __global__ void __launch_bounds__(DA_COMBINE_THREADS)
-decode_attn_combine(float* out, const float* partial_out, const float* partial_ml, const int* context_lens,
-                    int num_heads, int head_dim, int split_len, int max_splits) {
+// Block (h, seq) of decode_attn_combine (blockDim DA_COMBINE_THREADS): shared with the persistent
+// decode kernel (decode_step.cu).
+__device__ __forceinline__ void combine_head(float* out, const float* partial_out, const float* partial_ml,
+                                             const int* context_lens, int num_heads, int head_dim, int split_len,
+                                             int max_splits, int h, int seq) {
   __shared__ float red_m[DA_COMBINE_THREADS / 32];
   __shared__ float acc_s[DA_COMBINE_THREADS];
   __shared__ float wsum_s[DA_COMBINE_THREADS];
-  const int h = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x;
-  // Let the next kernel (the o projection's GEMV, launched with PDL) start fetching its weights;
-  // wait for the mma kernel when this one was launched with PDL too (pdl=all).
-  da::pdl_start();
+  const int tid = threadIdx.x;
   if (h >= num_heads || head_dim <= 0 || head_dim > DA_COMBINE_THREADS || split_len <= 0) return;
   const int len = context_lens[seq];
   const size_t sh = (size_t)seq * num_heads + h;
@@ -518,4 +530,14 @@ decode_attn_combine(float* out, const float* partial_out, const float* partial_m
     }
     out[sh * head_dim + tid] = A / W;
   }
+}
+
+extern "C" __global__ void __launch_bounds__(DA_COMBINE_THREADS)
+decode_attn_combine(float* out, const float* partial_out, const float* partial_ml, const int* context_lens,
+                    int num_heads, int head_dim, int split_len, int max_splits) {
+  // Let the next kernel (the o projection's GEMV, launched with PDL) start fetching its weights;
+  // wait for the mma kernel when this one was launched with PDL too (pdl=all).
+  da::pdl_start();
+  combine_head(out, partial_out, partial_ml, context_lens, num_heads, head_dim, split_len, max_splits, blockIdx.x,
+               blockIdx.y);
 }

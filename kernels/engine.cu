@@ -104,24 +104,31 @@ extern "C" __global__ void embed_gather(float* out, const float* table, const un
 // RMSNorm per row: x / sqrt(mean(x^2) + eps) * w, into out (f32), or with out_bf16 != NULL
 // rounded to bf16 there instead (the next GEMM's input for matmul=bf16: one launch, not two).
 // grid (rows), block 256.
-extern "C" __global__ void rms_norm(float* out, bf16_t* out_bf16, const float* x, const float* w,
-                                    int d, float eps) {
-    pdl_launch_dependents();
-    pdl_wait();
+// One row of rms_norm (row `row` of x), by a block of 256 threads: shared with the persistent
+// decode kernel (decode_step.cu), so both compute the same bits.
+__device__ __forceinline__ void rms_norm_row(float* out, bf16_t* out_bf16, const float* x,
+                                             const float* w, int d, float eps, int row) {
     __shared__ float s32[32];
-    const float* xr = x + (size_t)blockIdx.x * d;
+    const float* xr = x + (size_t)row * d;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) ss += xr[i] * xr[i];
     ss = block_sum(ss, s32) / (float)d;
     float inv = 1.0f / sqrtf(ss + eps);
     if (out_bf16) {
-        bf16_t* orow = out_bf16 + (size_t)blockIdx.x * d;
+        bf16_t* orow = out_bf16 + (size_t)row * d;
         for (int i = threadIdx.x; i < d; i += blockDim.x)
             orow[i] = f32_to_bf16_bits(w[i] * (xr[i] * inv));
     } else {
-        float* orow = out + (size_t)blockIdx.x * d;
+        float* orow = out + (size_t)row * d;
         for (int i = threadIdx.x; i < d; i += blockDim.x) orow[i] = w[i] * (xr[i] * inv);
     }
+}
+
+extern "C" __global__ void rms_norm(float* out, bf16_t* out_bf16, const float* x, const float* w,
+                                    int d, float eps) {
+    pdl_launch_dependents();
+    pdl_wait();
+    rms_norm_row(out, out_bf16, x, w, d, eps, blockIdx.x);
 }
 
 // out[rows[i]] = in[i], rows of `width` floats (the inverse of embed_gather). grid (n), block 256.
@@ -414,15 +421,12 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_4(GEMV_P
     gemv_kernel<4>(GEMV_ARGS);
 }
 
+// Output feature `row` of the fused gate/up kernel from its two dot products (lane r writes input
+// row r): shared with the persistent decode kernel (decode_step.cu).
 template <int N>
-__device__ __forceinline__ void swiglu_feature(const bf16_t* wg, const uint4 pre_g[GEMV_PRE],
-                                               const float* bg, const bf16_t* wu,
-                                               const uint4 pre_u[GEMV_PRE], const float* bu,
-                                               bf16_t* out, int inter, int row, const void* x,
-                                               int in, int lane) {
-    float g[N], u[N];
-    gemv_row<N, false>(wg + (size_t)row * in, pre_g, x, in, 0, in, lane, g);
-    gemv_row<N, false>(wu + (size_t)row * in, pre_u, x, in, 0, in, lane, u);
+__device__ __forceinline__ void swiglu_store(const float g[N], const float u[N], const float* bg,
+                                             const float* bu, bf16_t* out, int inter, int row,
+                                             int lane) {
 #pragma unroll
     for (int r = 0; r < N; r++) {
         if (lane == r) {
@@ -433,6 +437,18 @@ __device__ __forceinline__ void swiglu_feature(const bf16_t* wg, const uint4 pre
             out[(size_t)r * inter + row] = f32_to_bf16_bits(s * uv);
         }
     }
+}
+
+template <int N>
+__device__ __forceinline__ void swiglu_feature(const bf16_t* wg, const uint4 pre_g[GEMV_PRE],
+                                               const float* bg, const bf16_t* wu,
+                                               const uint4 pre_u[GEMV_PRE], const float* bu,
+                                               bf16_t* out, int inter, int row, const void* x,
+                                               int in, int lane) {
+    float g[N], u[N];
+    gemv_row<N, false>(wg + (size_t)row * in, pre_g, x, in, 0, in, lane, g);
+    gemv_row<N, false>(wu + (size_t)row * in, pre_u, x, in, 0, in, lane, u);
+    swiglu_store<N>(g, u, bg, bu, out, inter, row, lane);
 }
 
 // out (n, inter) = bf16(silu(x · Wgᵀ (+ bg)) * (x · Wuᵀ (+ bu))): the gate and up projections
@@ -487,15 +503,17 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_4
 // row of a graph pass, which writes nothing to the pool.
 // grid (n, heads + kv_heads): one block per query head, then per KV head; block = hd rounded up to
 // 32 (hd ≤ 256).
-extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_pool,
-                                         float* v_pool, const int* pos, const float* inv_freq,
-                                         const int* slots, int heads, int kv_heads, int hd,
-                                         int mode) {
-    pdl_launch_dependents();
-    pdl_wait();
+// The work of block (t, h) of rope_kv_write, by threads 0..hd-1 of the block (the others, and
+// every thread of a block wider than rope_kv_write's, compute nothing and write nothing): shared
+// with the persistent decode kernel (decode_step.cu), which writes rotated queries to q_out (the
+// same layout as q) instead of in place.
+__device__ __forceinline__ void rope_kv_head(float* q, float* q_out, float* k, float* v, float* k_pool,
+                                             float* v_pool, const int* pos,
+                                             const float* inv_freq, const int* slots, int heads,
+                                             int kv_heads, int hd, int mode, int t, int h) {
     __shared__ float s32[32];
     __shared__ float rotated[256];
-    int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x, half = hd / 2;
+    int d = threadIdx.x, half = hd / 2;
     bool is_q = h < heads;
     int kvh = h - heads;
     float* row = is_q ? q + ((size_t)t * heads + h) * hd : k + ((size_t)t * kv_heads + kvh) * hd;
@@ -509,8 +527,9 @@ extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_
     }
     if (is_q) {
         if (d < half) {
-            row[d] = lo;
-            row[d + half] = hi;
+            float* orow = q_out + ((size_t)t * heads + h) * hd;
+            orow[d] = lo;
+            orow[d + half] = hi;
         }
         return;
     }
@@ -545,6 +564,16 @@ extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_
     size_t dst = ((size_t)slots[t] * kv_heads + kvh) * hd + d;
     k_pool[dst] = kx;
     v_pool[dst] = vx;
+}
+
+extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_pool,
+                                         float* v_pool, const int* pos, const float* inv_freq,
+                                         const int* slots, int heads, int kv_heads, int hd,
+                                         int mode) {
+    pdl_launch_dependents();
+    pdl_wait();
+    rope_kv_head(q, q, k, v, k_pool, v_pool, pos, inv_freq, slots, heads, kv_heads, hd, mode,
+                 blockIdx.x, blockIdx.y);
 }
 
 // Per token of the batch, what attention needs (one int array, see cuda/mod.rs `Meta`):

@@ -206,6 +206,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 }
                 Err(e) => println!("roofline: copy bandwidth not measured ({e})"),
             }
+            if toggles.megakernel {
+                let steps = tapedeck_engine::cuda::persistent_steps();
+                match tapedeck_engine::cuda::check::grid_barrier(ordinal, 2000) {
+                    Ok((blocks, us)) => println!(
+                        "megakernel: {steps} decode steps ran as the persistent kernel; one grid barrier of {blocks} blocks costs {us:.2} µs"
+                    ),
+                    Err(e) => println!("megakernel: {steps} persistent steps; barrier not measured ({e})"),
+                }
+            }
         }
         if !decode_busy.is_empty() {
             // The rest of a step is host work: scheduling, the pass's index upload and the

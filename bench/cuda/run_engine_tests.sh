@@ -13,22 +13,13 @@
 #                                                      # EXTRAS=0: skip 8k prefill, serve and
 #                                                      #   transformers in the llama-1b part
 #
-# cudarc loads libcuda from the driver and libnvrtc / libcublas / libcublasLt (CUDA 13) at run
-# time; the driver ships only libcuda, so the toolkit's (or PyTorch's bundled) folders are put on
-# LD_LIBRARY_PATH here.
+# The CUDA libraries are found by bench/cuda/gpu_env.sh.
 set -uo pipefail
 out="${1:-${OUT:-/tmp/tapedeck-gpu}}"
 mkdir -p "$out"
 bin=.device
 
-for lib in libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
-  f=$(find /usr/local /opt /usr/lib -name "$lib*" 2>/dev/null | head -1)
-  if [ -n "$f" ]; then
-    export LD_LIBRARY_PATH="$(dirname "$f")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  else
-    echo "warning: $lib not found"
-  fi
-done
+. bench/cuda/gpu_env.sh
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv || true
 export TAPEDECK_KERNEL_CACHE="$out/kernel-cache"
@@ -71,6 +62,7 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
       "matmul=bf16|matmul=bf16,small_gemm=gemv" \
       "matmul=bf16|matmul=bf16,small_gemm=gemv,pdl=on,cuda_graphs=on" \
       "matmul=bf16|matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=all,cuda_graphs=on" \
+      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv|matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,megakernel=on,cuda_graphs=on" \
       "|kv_dtype=bf16" "matmul=bf16|matmul=bf16,kv_dtype=fp8-e4m3"; do
       base=${pair%%|*} cand=${pair#*|}
       timeout 120 bash ci/compare.sh --base-bin "$td" --cand-bin "$td" \
@@ -97,7 +89,8 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
       "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,cuda_graphs=on"
       "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on"
       "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on"
-      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=all,cuda_graphs=on")
+      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=all,cuda_graphs=on"
+      "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,megakernel=on,cuda_graphs=on")
   fi
   echo "== bf16 GEMV kernels vs cuBLAS on Llama-3.2-1B's linear layers"
   timeout 240 "$td" bench gemv --device cuda 2>&1 | tee "$out/bench-gemv.log"
@@ -127,6 +120,22 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
     python3 bench/cuda/kernel_table.py < "$out/ncu.csv" | tee "$out/ncu-kernels.txt"
   elif [ "${PROFILE:-0}" = 1 ]; then
     echo "PROFILE=1: no ncu on this machine"
+  fi
+  # TIMELINE=1: an Nsight Systems trace of batch-1 decode with CUDA graphs traced per node: each
+  # kernel's duration and the gap (or PDL overlap) before it, in the real graph launch.
+  if [ "${TIMELINE:-0}" = 1 ] && command -v nsys > /dev/null; then
+    for tt in ${TIMELINE_TOGGLES:-matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on}; do
+      echo "== nsys timeline: llama-1b batch-1 decode ($tt)"
+      mapfile -t ta < <(toggle_args "$tt")
+      tag=$(echo "$tt" | md5sum | cut -c1-6)
+      timeout 240 nsys profile --cuda-graph-trace=node --trace=cuda -o "$out/tl-$tag" -f true \
+        "$td" bench engine --device cuda --model llama-1b "${ta[@]}" --prompt-len 512 --gen 64 \
+        --concurrency 0 --turns 0 > "$out/tl-$tag.log" 2>&1
+      nsys stats --report cuda_gpu_trace --format csv -o "$out/tl-$tag" "$out/tl-$tag.nsys-rep" > /dev/null 2>&1
+      python3 bench/cuda/timeline.py < "$out/tl-${tag}_cuda_gpu_trace.csv" | tee "$out/timeline-$tag.txt"
+    done
+  elif [ "${TIMELINE:-0}" = 1 ]; then
+    echo "TIMELINE=1: no nsys on this machine"
   fi
   echo "== llama-1b: CUDA logits against the CPU engine"
   TAPEDECK_LLAMA1B="$HOME/.cache/tapedeck/bench/llama-1b" timeout 300 "$bin/test-cuda" \

@@ -124,6 +124,14 @@ pub struct Toggles {
     pub small_gemm: SmallGemm,
     /// Programmatic dependent launch (see [`Pdl`]).
     pub pdl: Pdl,
+    /// A single-sequence decode step runs as one persistent kernel (GPU, sm_80+; needs
+    /// `matmul=bf16`, `small_gemm=gemv` and `attn_decode=mma-bf16`, otherwise the step runs as
+    /// separate kernels). Its blocks stay resident for the whole step and meet at grid-wide
+    /// barriers between the phases (q/k/v, RoPE, attention, merge, o, gate/up, down), so no phase
+    /// waits for a launch and each one's weight fetch is issued before the barrier that opens it.
+    /// Same arithmetic as the separate kernels, so the same bits; a barrier bug would race
+    /// silently, hence a toggle.
+    pub megakernel: bool,
     /// Prompt-encoding fault.
     pub fault_encoding: EncodingFault,
     /// Context-window fault: silently drop the oldest non-system turns until the prompt fits in N
@@ -152,6 +160,7 @@ impl Default for Toggles {
             cuda_graphs: false,
             small_gemm: SmallGemm::Cublas,
             pdl: Pdl::Off,
+            megakernel: false,
             fault_encoding: EncodingFault::Off,
             fault_context_window: None,
             prefill_chunk: None,
@@ -226,6 +235,13 @@ pub const REGISTRY: &[ToggleSpec] = &[
         default: "off",
         description:
             "programmatic dependent launch (sm_90+): on = the GEMV kernels, all = every decode kernel",
+    },
+    ToggleSpec {
+        name: "megakernel",
+        values: "off | on",
+        default: "off",
+        description:
+            "batch-1 decode step as one persistent kernel with grid barriers (GPU, gemv + mma-bf16)",
     },
     ToggleSpec {
         name: "prefill_chunk",
@@ -357,6 +373,7 @@ impl Toggles {
                     _ => return Err(bad(name, value)),
                 }
             }
+            "megakernel" => self.megakernel = parse_on_off(name, value, "on")?,
             "fault.encoding" => {
                 self.fault_encoding = match value {
                     "off" => EncodingFault::Off,
@@ -411,6 +428,7 @@ impl Toggles {
                 Pdl::All => "all",
             }
             .to_string(),
+            "megakernel" => on_off(self.megakernel, "on"),
             "fault.encoding" => match self.fault_encoding {
                 EncodingFault::Off => "off",
                 EncodingFault::DropThinkingAlways => "drop_thinking_always",
@@ -556,7 +574,7 @@ mod tests {
     fn text_form_round_trips_every_toggle() {
         let s =
             "matmul=bf16,attn_scores=bf16,kv_dtype=fp8-e4m3,attn_decode=mma-bf16,decode_topk=64,\
-                 cuda_graphs=on,small_gemm=gemv,pdl=all,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
+                 cuda_graphs=on,small_gemm=gemv,pdl=all,megakernel=on,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
                  fault.context_window=512,fault.prefix_cache=stale,fault.chunk=boundary";
         let t: Toggles = s.parse().unwrap();
         assert_eq!(t.to_string(), s);

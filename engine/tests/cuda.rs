@@ -880,6 +880,88 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
 }
 
 #[test]
+fn cuda_megakernel_is_bit_identical_to_the_separate_kernels() {
+    // `megakernel=on` runs a one-sequence decode step as one persistent kernel whose phases call
+    // the separate kernels' device functions over the same virtual blocks: every teacher-forced
+    // logprob must have the same bits as without it (a missing barrier or a stale read would
+    // show here), on head_dim 64 (GQA 8/2, a down projection split over 2 warps) and 128 (4/1,
+    // q/k/v biases, split over 4), under the toggles the path takes, with graphs, and with FP8
+    // KV. The contexts (20-60 prompt + 90 forced tokens) span many attention splits, so the
+    // split merge runs too. The persistent step counter proves the kernel ran.
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = tapedeck_engine::fixture::FixtureSpec::tiny_llama();
+    a.name = "mk-hd64".into();
+    (a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim) = (256, 8, 2, Some(64));
+    (a.num_layers, a.intermediate_size) = (2, 2560);
+    let mut b = tapedeck_engine::fixture::FixtureSpec::tiny_qwen2();
+    b.name = "mk-hd128-bias".into();
+    (b.hidden_size, b.num_heads, b.num_kv_heads, b.head_dim) = (512, 4, 1, Some(128));
+    (b.num_layers, b.intermediate_size) = (2, 4608);
+    for spec in [a, b] {
+        let path = dir.path().join(&spec.name);
+        tapedeck_engine::fixture::build(&spec, &path).unwrap();
+        let gpu = Engine::load_with(
+            &path,
+            &EngineOptions {
+                threads: None,
+                device: Device::Cuda(0),
+            },
+        )
+        .unwrap();
+        let mut r = rng();
+        let p = tokens(&gpu, r.random_range(20..60), &mut r);
+        let forced = tokens(&gpu, 90, &mut r);
+        let all = [p.clone(), forced].concat();
+        let score = |t: &str| {
+            let t: Toggles = t.parse().unwrap();
+            gpu.score_with(
+                &all,
+                p.len(),
+                4,
+                &t,
+                tapedeck_engine::engine::ScoreMode::Decode,
+            )
+            .unwrap()
+        };
+        let base = "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv";
+        for extra in ["", ",cuda_graphs=on", ",kv_dtype=fp8-e4m3", ",pdl=on"] {
+            let plain = score(&format!("{base}{extra}"));
+            let before = tapedeck_engine::cuda::persistent_steps();
+            let mk = score(&format!("{base}{extra},megakernel=on"));
+            let steps = tapedeck_engine::cuda::persistent_steps() - before;
+            let same = plain.iter().zip(&mk).all(|(a, b)| {
+                a.logprob.to_bits() == b.logprob.to_bits()
+                    && a.top.iter().map(|t| t.0).eq(b.top.iter().map(|t| t.0))
+            });
+            let worst = plain
+                .iter()
+                .zip(&mk)
+                .map(|(a, b)| (a.logprob - b.logprob).abs())
+                .fold(0.0f32, f32::max);
+            println!(
+                "{} [{base}{extra}] megakernel: {steps} persistent steps, identical: {same} \
+                 (worst |Δ logprob| {worst:e})",
+                spec.name
+            );
+            assert!(
+                steps >= 80,
+                "{}: the persistent kernel ran {steps} times",
+                spec.name
+            );
+            assert!(
+                same,
+                "{} [{base}{extra}]: megakernel=on changed the logprobs",
+                spec.name
+            );
+        }
+    }
+}
+
+#[test]
 fn cuda_llama_1b_logits_match_the_cpu_engine() {
     // Full-model check on the Llama-3.2-1B-shaped random bf16 model (16 layers, hidden 2048,
     // 32/8 heads of 64, 128k vocabulary): prefill and decode logits of the CUDA backend against
@@ -920,6 +1002,10 @@ fn cuda_llama_1b_logits_match_the_cpu_engine() {
         ),
         (
             "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=all,cuda_graphs=on",
+            5e-2,
+        ),
+        (
+            "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,megakernel=on,cuda_graphs=on",
             5e-2,
         ),
     ] {

@@ -14,7 +14,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use super::Precision;
 use super::{bf16_bits, dev_err, probe, timing_event, Args, DevBuf, DevLinear, GemvIn, Gpu};
-use super::{GEMV_MAX_ROWS, GEMV_NORM_SMEM};
+use super::{kernels, GEMV_MAX_ROWS, GEMV_NORM_SMEM};
 use crate::error::{Error, Result};
 
 /// One few-token linear layer: `y (n, out) = bf16(x) · bf16(W)ᵀ (+ b)`, added to `residual`
@@ -325,4 +325,26 @@ pub fn copy_bandwidth(ordinal: usize, bytes: usize, reps: usize) -> Result<f64> 
             .map_err(|e| dev_err("device-to-device copy", e))
     })?;
     Ok(2.0 * bytes as f64 / (us / 1e6))
+}
+
+/// What one grid-wide barrier of the persistent decode-step kernel (`megakernel=on`) costs on GPU
+/// `ordinal`: `iters` barriers in one launch of as many blocks as that kernel uses, timed by
+/// events, in microseconds per barrier. Returns the block count too.
+pub fn grid_barrier(ordinal: usize, iters: usize) -> Result<(usize, f64)> {
+    let ctx = context(ordinal)?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| dev_err("compute capability", e))?;
+    let arch = kernels::virtual_arch(major, minor);
+    let sms = ctx
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .map_err(|e| dev_err("multiprocessor count", e))? as usize;
+    let mk = super::step::Megakernel::load(&ctx, &arch, sms, kernels::DECODE_MMA_SMEM, 1)?;
+    let stream = ctx
+        .new_stream()
+        .map_err(|e| dev_err("creating a stream", e))?;
+    let us = time(&ctx, &stream, 3, |_| mk.barrier_bench(&stream, iters))?;
+    Ok((mk.grid(), us / iters as f64))
 }

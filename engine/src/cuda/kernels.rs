@@ -92,8 +92,21 @@ pub const DECODE_MMA: KernelSource = KernelSource {
 /// Dynamic shared memory of the mma decode kernel (its `DA_SMEM_BYTES`), within sm_120's 99 KB.
 pub const DECODE_MMA_SMEM: usize = 65536;
 
+/// The persistent single-sequence decode step (`megakernel=on`): `kernels/decode_step.cu` after
+/// the engine's and the mma decode kernels' sources, whose device functions are its phases (so
+/// the module also holds their entry points, unused from here).
+pub const DECODE_STEP: KernelSource = KernelSource {
+    name: "decode_step.cu",
+    code: concat!(
+        include_str!("../../../kernels/engine.cu"),
+        include_str!("../../../kernels/decode_attention_mma.cu"),
+        include_str!("../../../kernels/decode_step.cu")
+    ),
+    entry_points: &["decode_step", "grid_sync_bench"],
+};
+
 /// Every kernel source shipped (what the portability test compiles for each architecture).
-pub const ALL: &[KernelSource] = &[ENGINE, DECODE_MMA, PREFILL];
+pub const ALL: &[KernelSource] = &[ENGINE, DECODE_MMA, PREFILL, DECODE_STEP];
 
 /// The virtual architecture for a compute capability, e.g. `(9, 0)` → `compute_90`.
 pub fn virtual_arch(major: i32, minor: i32) -> String {

@@ -16,6 +16,7 @@
 pub mod check;
 pub mod kernels;
 mod meta;
+mod step;
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -519,6 +520,8 @@ struct Scratch {
     /// Split-K workspace: outputs (rows, heads, splits, head_dim) and (max, sum) pairs.
     partial_out: Option<DevBuf>,
     partial_ml: Option<DevBuf>,
+    /// The persistent decode step's rotated queries, one copy per split (splits, heads, head_dim).
+    mk_q: Option<DevBuf>,
     /// Token picking: per-chunk statistics and candidates, and the results copied back.
     pick_stats: Option<DevBuf>,
     pick_top: Option<DevBuf>,
@@ -609,6 +612,27 @@ struct GraphKey {
     generation: u64,
 }
 
+/// Decode steps run as the persistent kernel (`megakernel=on`) in this process, over all GPUs: so
+/// a test or a benchmark can tell that the toggle took effect rather than falling back to the
+/// separate kernels.
+static PERSISTENT_STEPS: AtomicU64 = AtomicU64::new(0);
+
+/// How many decode steps ran as the persistent kernel so far (see [`Toggles::megakernel`]).
+pub fn persistent_steps() -> u64 {
+    PERSISTENT_STEPS.load(Ordering::Relaxed)
+}
+
+/// A hash of the KV pool's buffer addresses: what graphs and the decode-step kernel's layer
+/// table baked in.
+fn kv_key(kv: &DeviceKv) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for b in kv.k.iter().chain(&kv.v) {
+        b.ptr.hash(&mut h);
+    }
+    h.finish()
+}
+
 /// A captured decode step.
 struct Graph(cudarc::driver::CudaGraph);
 
@@ -643,6 +667,8 @@ struct Gpu {
     sms: usize,
     /// Programmatic dependent launch exists (compute capability 9.0 and later).
     pdl_capable: bool,
+    /// The virtual architecture the kernels are compiled for (`compute_XY`).
+    arch: String,
     /// The cuBLAS workspace (kept alive for the handle).
     _workspace: DevBuf,
 }
@@ -685,6 +711,7 @@ impl Gpu {
             k,
             sms,
             pdl_capable: major >= 9,
+            arch,
             _workspace: workspace,
         };
         Ok((gpu, name, (major, minor)))
@@ -706,6 +733,8 @@ struct Inner {
     graphs: std::collections::HashMap<GraphKey, Graph>,
     /// Events around each pass (see [`CudaBackend::busy_ns`]).
     timing: (CudaEvent, CudaEvent),
+    /// The persistent decode-step kernel, compiled on first use (`megakernel=on`).
+    mega: Option<step::Megakernel>,
 }
 
 /// An event that records a time stamp (for [`Backend::device_time`]).
@@ -774,6 +803,7 @@ impl CudaBackend {
             scratch: Scratch::default(),
             graphs: Default::default(),
             timing: (timing_event(&ctx)?, timing_event(&ctx)?),
+            mega: None,
             gemv_fits: [
                 cfg.hidden_size,
                 cfg.num_heads * cfg.head_dim,
@@ -1023,7 +1053,7 @@ impl Backend for CudaBackend {
         self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
         let kv = pool.device_mut()?;
         let pad = graph_pad(segs, toggles);
-        let pass = inner.prepare(&self.ctx, cfg, segs, &where_, bs, toggles, pad)?;
+        let pass = inner.prepare(&self.ctx, cfg, segs, &where_, bs, toggles, pad, kv)?;
         inner
             .timing
             .0
@@ -1037,6 +1067,9 @@ impl Backend for CudaBackend {
         match pad {
             None => inner.record(cfg, kv, &pass)?,
             Some(pad) => inner.replay(cfg, kv, &pass, pad, toggles)?,
+        }
+        if pass.mega.is_some() {
+            PERSISTENT_STEPS.fetch_add(1, Ordering::Relaxed);
         }
         inner
             .timing
@@ -1093,6 +1126,9 @@ struct Pass {
     logits: u64,
     /// Token picking: statistics, candidates, results; chunks per row.
     pick: Option<(u64, u64, u64, usize)>,
+    /// The whole step as one persistent kernel (`megakernel=on`, when it applies): its argument
+    /// and dynamic shared memory.
+    mega: Option<(step::MkParams, usize)>,
 }
 
 /// The mma decode kernel's buffers. When every row is a decode row, in order, `q_dec` and
@@ -1132,6 +1168,7 @@ impl Inner {
         bs: usize,
         toggles: &Toggles,
         pad: Option<Pad>,
+        kv: &DeviceKv,
     ) -> Result<Pass> {
         let tile_tokens = self
             .gpu
@@ -1231,17 +1268,104 @@ impl Inner {
         } else {
             None
         };
+        let kv_mode: usize = match toggles.kv_dtype {
+            KvDtype::F32 => 0,
+            KvDtype::Bf16 => 1,
+            KvDtype::Fp8E4m3 => 2,
+        };
+        let mega_applies = toggles.megakernel
+            && linears == Linears::GemvFusedNorm
+            && rows == 1
+            && nr == 1
+            && logits_in_place
+            && meta.n_logit_rows == 1
+            && meta.n_simt_rows == 0
+            && meta.n_tiles == 0
+            && matches!(hd, 64 | 128);
+        let mega = match (&mma, mega_applies) {
+            (Some(m), true) if !m.gather => {
+                let smem = kernels::DECODE_MMA_SMEM.max(cfg.hidden_size * 2);
+                if self.mega.is_none() {
+                    self.mega = Some(step::Megakernel::load(ctx, &self.gpu.arch, sms, smem, nkv)?);
+                }
+                let mk = self
+                    .mega
+                    .as_mut()
+                    .ok_or_else(|| Error::Device("the decode step kernel failed to load".into()))?;
+                let (table, rebuilt) = mk.table(ctx, &self.layers, kv, kv_key(kv))?;
+                if rebuilt {
+                    // Graphs captured with the old table must never run again.
+                    self.scratch.generation += 1;
+                }
+                let q_scr = ensure(
+                    &mut self.scratch.mk_q,
+                    ctx,
+                    m.max_splits * q_dim * 4,
+                    &mut self.scratch.generation,
+                )?;
+                let (bar, done) = mk.state();
+                let b = self
+                    .scratch
+                    .bufs
+                    .as_ref()
+                    .ok_or_else(|| Error::Device("scratch buffers missing".into()))?;
+                let mi = |off: usize| meta_ptr + (off * 4) as u64;
+                let int = |v: usize| v as i32;
+                Some((
+                    step::MkParams {
+                        x: b.x.ptr,
+                        q: b.q.ptr,
+                        k: b.k.ptr,
+                        v: b.v.ptr,
+                        att: b.att.ptr,
+                        act: b.act.ptr,
+                        logits,
+                        layers: table,
+                        bar,
+                        done,
+                        q_scr,
+                        head_w: self.head.w_bf16.ptr,
+                        head_b: bias(&self.head),
+                        final_norm: self.norm.ptr,
+                        inv_freq: self.inv_freq.ptr,
+                        pos: mi(meta.pos),
+                        slots: mi(meta.slots),
+                        tables: mi(meta.decode_tables),
+                        ctx: mi(meta.decode_ctx),
+                        partial_out: m.partial_out,
+                        partial_ml: m.partial_ml,
+                        n_layers: int(self.layers.len()),
+                        hidden: int(cfg.hidden_size),
+                        inter: int(cfg.intermediate_size),
+                        heads: int(nh),
+                        kv_heads: int(nkv),
+                        head_dim: int(hd),
+                        vocab: int(vocab),
+                        block_size: int(bs),
+                        max_blocks: int(meta.max_blocks),
+                        split_len: int(m.split_len),
+                        max_splits: int(m.max_splits),
+                        kv_mode: int(kv_mode),
+                        splits_qkv: int(gemv_splits(cfg.hidden_size, 1)),
+                        splits_o: int(gemv_splits(q_dim, 1)),
+                        splits_down: int(gemv_splits(cfg.intermediate_size, 1)),
+                        splits_head: int(gemv_splits(cfg.hidden_size, 1)),
+                        eps: cfg.rms_norm_eps,
+                        scale: 1.0 / (hd as f32).sqrt(),
+                    },
+                    smem,
+                ))
+            }
+            _ => None,
+        };
         Ok(Pass {
+            mega,
             meta,
             meta_ptr,
             block_size: bs,
             matmul: toggles.matmul,
             scale: 1.0 / (hd as f32).sqrt(),
-            kv_mode: match toggles.kv_dtype {
-                KvDtype::F32 => 0,
-                KvDtype::Bf16 => 1,
-                KvDtype::Fp8E4m3 => 2,
-            },
+            kv_mode,
             attn_bf16: usize::from(toggles.attention_bf16(false)),
             decode_bf16: usize::from(toggles.attention_bf16(true)),
             topk,
@@ -1265,16 +1389,11 @@ impl Inner {
         pad: Pad,
         toggles: &Toggles,
     ) -> Result<()> {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        for b in kv.k.iter().chain(&kv.v) {
-            b.ptr.hash(&mut h);
-        }
         let key = GraphKey {
             pad,
             toggles: *toggles,
             pick_k: pass.meta.pick_k,
-            kv: h.finish(),
+            kv: kv_key(kv),
             generation: self.scratch.generation,
         };
         if !self.graphs.contains_key(&key) {
@@ -1332,6 +1451,13 @@ impl Inner {
             .p(mi(meta.ids))
             .i(h)
             .launch(s, &kn.embed_gather, (n, 1), 256)?;
+        if let Some((params, smem)) = &pass.mega {
+            self.mega
+                .as_ref()
+                .ok_or_else(|| Error::Device("the decode step kernel is not loaded".into()))?
+                .launch(s, params, *smem)?;
+            return self.record_picks(pass);
+        }
         // RMSNorm of `rows` rows of `src`, written as the next GEMM's input: f32 into `xn`, or
         // rounded to bf16 into `xb` in the same launch. Returns where it went.
         // `early`: launched with PDL (pdl=all).
@@ -1547,7 +1673,6 @@ impl Inner {
         if r == 0 {
             return Ok(());
         }
-        let vocab = cfg.vocab_size;
         let rows_in = if pass.logits_in_place {
             x
         } else {
@@ -1571,6 +1696,14 @@ impl Inner {
         } else {
             self.gpu.linear(&self.head, hin, r, pass.logits, pm)?;
         }
+        self.record_picks(pass)
+    }
+
+    /// The token picks of a pass (after its head), where asked.
+    fn record_picks(&self, pass: &Pass) -> Result<()> {
+        let (meta, s, kn, early) = (&pass.meta, &self.gpu.stream, &self.gpu.k, pass.pdl_all);
+        let mi = |off: usize| pass.meta_ptr + (off * 4) as u64;
+        let vocab = self.head.out;
         if let Some((stats, top, out, chunks)) = pass.pick {
             let (p, k) = (meta.n_picks, meta.pick_k);
             Args::new()
