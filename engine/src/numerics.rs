@@ -216,6 +216,79 @@ mod avx2 {
         }
         out
     }
+
+    /// One 8-lane chain of [`dot`]'s order for `R` rows of x against `C` weight rows: starting at
+    /// element `first`, every 16th 8-wide chunk below `end`, plus the chunk at `extra` when
+    /// given. `acc[r][c]` is x row r against weight row c.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn chain<const R: usize, const C: usize>(
+        px: &[*const f32; R],
+        pw: &[*const f32; C],
+        first: usize,
+        end: usize,
+        extra: Option<usize>,
+        acc: &mut [[__m256; C]; R],
+    ) {
+        let mut step = |i: usize| {
+            let mut wv = [_mm256_setzero_ps(); C];
+            for c in 0..C {
+                // SAFETY: the caller keeps `i + 8` within every row.
+                wv[c] = unsafe { _mm256_loadu_ps(pw[c].add(i)) };
+            }
+            for r in 0..R {
+                // SAFETY: as above.
+                let xv = unsafe { _mm256_loadu_ps(px[r].add(i)) };
+                for c in 0..C {
+                    acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+                }
+            }
+        };
+        let mut i = first;
+        while i + 8 <= end {
+            step(i);
+            i += 16;
+        }
+        if let Some(i) = extra {
+            step(i);
+        }
+    }
+
+    /// `out[r][c]` = [`dot`]`(x[r], w[c])` for `R` input rows and `C` weight rows, bit for bit.
+    ///
+    /// [`dot`]'s sixteen lanes are two independent chains (lanes 0–7 and 8–15 of each 16-wide
+    /// chunk), so they are run one after the other, each with all `R·C` accumulators in
+    /// registers: at `R = 4, C = 3`, 12 accumulators, 3 weight vectors and one input vector fill
+    /// the 16 AVX registers, and each step does 12 FMAs for 7 loads (one-row [`dot4`] does 8 for
+    /// 10). Every row must hold at least `w[0].len()` elements.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn block<const R: usize, const C: usize>(
+        x: [&[f32]; R],
+        w: [&[f32]; C],
+    ) -> [[f32; C]; R] {
+        let n = w[0].len();
+        debug_assert!(x.iter().all(|r| r.len() >= n) && w.iter().all(|r| r.len() >= n));
+        let px = x.map(|r| r.as_ptr());
+        let pw = w.map(|r| r.as_ptr());
+        let full = n / 16 * 16;
+        let extra = (full + 8 <= n).then_some(full);
+        let mut lo = [[_mm256_setzero_ps(); C]; R];
+        let mut hi = [[_mm256_setzero_ps(); C]; R];
+        chain(&px, &pw, 0, full, extra, &mut lo);
+        chain(&px, &pw, 8, full, None, &mut hi);
+        let tail = if extra.is_some() { full + 8 } else { full };
+        let mut out = [[0.0f32; C]; R];
+        for r in 0..R {
+            for c in 0..C {
+                let mut s = hsum(_mm256_add_ps(lo[r][c], hi[r][c]));
+                for j in tail..n {
+                    s = x[r][j].mul_add(w[c][j], s);
+                }
+                out[r][c] = s;
+            }
+        }
+        out
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -264,12 +337,40 @@ fn dot4(x: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
     dot4_body::<false>(x, w)
 }
 
+/// How [`matmul_t_with`] computes its dot products. Both give the same bits (each output is one
+/// [`dot`]); they differ only in speed, which is why both stay reachable for benchmarks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// One weight row against four input rows at a time ([`dot4`]): the portable path, and the
+    /// only one without AVX2 and FMA.
+    RowDots,
+    /// Register-blocked tiles of up to four input rows by three weight rows (AVX2 + FMA;
+    /// elsewhere the same as `RowDots`), over panels of weight rows sized to stay in L2.
+    Blocked,
+}
+
 /// `out (n, m) = x (n, k) · wᵀ + bias`, with `w` stored `(m, k)` row-major as in checkpoints.
 ///
 /// Work is split over output columns (rows of `w`), so each weight row is read once per call and
 /// every output element is one [`dot`]: results are identical for any `n`, any row order and any
-/// thread count.
+/// thread count. It takes [`MatmulKernel::Blocked`], the faster at every batch size measured
+/// (`examples/matmul_speed.rs`; docs/benchmarks.md).
 pub fn matmul_t(
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    n: usize,
+    k: usize,
+    m: usize,
+    out: &mut [f32],
+) {
+    matmul_t_with(MatmulKernel::Blocked, x, w, bias, n, k, m, out);
+}
+
+/// [`matmul_t`] with the kernel chosen by the caller (benchmarks and tests).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_t_with(
+    kernel: MatmulKernel,
     x: &[f32],
     w: &[f32],
     bias: Option<&[f32]>,
@@ -281,8 +382,13 @@ pub fn matmul_t(
     debug_assert_eq!(x.len(), n * k);
     debug_assert_eq!(w.len(), m * k);
     debug_assert_eq!(out.len(), n * m);
-    // Columns per task: big enough to amortize scheduling, small enough to balance two cores.
-    let cols = (m / (rayon::current_num_threads() * 8)).clamp(8, 256);
+    // Columns per task: big enough to amortize scheduling, small enough to balance two cores;
+    // blocked, also small enough that the task's weight rows stay in L2 while every tile of input
+    // rows passes over them.
+    let mut cols = (m / (rayon::current_num_threads() * 8)).clamp(8, 256);
+    if kernel == MatmulKernel::Blocked {
+        cols = cols.min((L2_PANEL_BYTES / (4 * k.max(1))).max(3) / 3 * 3);
+    }
     let rows: Vec<&[f32]> = x.chunks_exact(k).collect();
     let results: Vec<(usize, Vec<f32>)> = (0..m.div_ceil(cols))
         .into_par_iter()
@@ -291,21 +397,18 @@ pub fn matmul_t(
             let c1 = (c0 + cols).min(m);
             // (c1 - c0, n), column-major block of the output
             let mut block = vec![0.0f32; (c1 - c0) * n];
-            for c in c0..c1 {
-                let wr = &w[c * k..(c + 1) * k];
-                let b = bias.map_or(0.0, |b| b[c]);
-                let dst = &mut block[(c - c0) * n..(c - c0 + 1) * n];
-                let mut r = 0;
-                while r + 4 <= n {
-                    let d = dot4([rows[r], rows[r + 1], rows[r + 2], rows[r + 3]], wr);
-                    for j in 0..4 {
-                        dst[r + j] = d[j] + b;
-                    }
-                    r += 4;
+            if kernel == MatmulKernel::Blocked && has_avx2_fma() {
+                #[cfg(target_arch = "x86_64")]
+                blocked_columns(&rows, w, k, c0, c1, &mut block);
+            } else {
+                for c in c0..c1 {
+                    let wr = &w[c * k..(c + 1) * k];
+                    row_dots(&rows, wr, &mut block[(c - c0) * n..(c - c0 + 1) * n]);
                 }
-                while r < n {
-                    dst[r] = dot(rows[r], wr) + b;
-                    r += 1;
+            }
+            if let Some(b) = bias {
+                for (c, col) in (c0..c1).zip(block.chunks_exact_mut(n.max(1))) {
+                    col.iter_mut().for_each(|v| *v += b[c]);
                 }
             }
             (c0, block)
@@ -317,6 +420,78 @@ pub fn matmul_t(
             for r in 0..n {
                 out[r * m + c0 + j] = block[j * n + r];
             }
+        }
+    }
+}
+
+/// `dst[r] = dot(rows[r], wr)` for every row, four rows per weight load where possible.
+fn row_dots(rows: &[&[f32]], wr: &[f32], dst: &mut [f32]) {
+    let n = rows.len();
+    let mut r = 0;
+    while r + 4 <= n {
+        let d = dot4([rows[r], rows[r + 1], rows[r + 2], rows[r + 3]], wr);
+        dst[r..r + 4].copy_from_slice(&d);
+        r += 4;
+    }
+    while r < n {
+        dst[r] = dot(rows[r], wr);
+        r += 1;
+    }
+}
+
+/// Bytes of weight rows per task of the blocked kernel, and of input rows per tile: together they
+/// stay in a 512 KiB L2 (the smallest seen on our machines), so each input tile is read from
+/// memory once per task and each weight row from L2 once per four input rows, not from L3.
+const L2_PANEL_BYTES: usize = 160 * 1024;
+
+/// Columns `c0..c1` of the product (column-major into `block`, `rows.len()` values a column) by
+/// [`avx2::block`]: 4 × 3 tiles, the edges with smaller ones of the same order.
+#[cfg(target_arch = "x86_64")]
+fn blocked_columns(rows: &[&[f32]], w: &[f32], k: usize, c0: usize, c1: usize, block: &mut [f32]) {
+    let n = rows.len();
+    let tile = (L2_PANEL_BYTES / (4 * k.max(1))).max(4) / 4 * 4;
+    for t0 in (0..n).step_by(tile) {
+        let t1 = (t0 + tile).min(n);
+        let mut r = t0;
+        while r < t1 {
+            let rr = (t1 - r).min(4);
+            for c in (c0..c1).step_by(3) {
+                let cc = (c1 - c).min(3);
+                let wr = |j: usize| &w[(c + j) * k..(c + j + 1) * k];
+                let x = |j: usize| rows[r + j];
+                let mut put = |j: usize, vals: &[f32]| {
+                    for (i, &v) in vals.iter().enumerate() {
+                        block[(c - c0 + i) * n + r + j] = v;
+                    }
+                };
+                // SAFETY (every arm): this path runs only where AVX2 and FMA were detected, and
+                // every row given holds k elements.
+                macro_rules! tile {
+                    ($R:literal, $C:literal) => {{
+                        let xs: [&[f32]; $R] = std::array::from_fn(x);
+                        let ws: [&[f32]; $C] = std::array::from_fn(wr);
+                        let out = unsafe { avx2::block::<$R, $C>(xs, ws) };
+                        for (j, o) in out.iter().enumerate() {
+                            put(j, o);
+                        }
+                    }};
+                }
+                match (rr, cc) {
+                    (4, 3) => tile!(4, 3),
+                    (4, 2) => tile!(4, 2),
+                    (4, 1) => tile!(4, 1),
+                    (3, 3) => tile!(3, 3),
+                    (3, 2) => tile!(3, 2),
+                    (3, 1) => tile!(3, 1),
+                    (2, 3) => tile!(2, 3),
+                    (2, 2) => tile!(2, 2),
+                    (2, 1) => tile!(2, 1),
+                    (_, 3) => tile!(1, 3),
+                    (_, 2) => tile!(1, 2),
+                    _ => tile!(1, 1),
+                }
+            }
+            r += rr;
         }
     }
 }
@@ -403,6 +578,74 @@ mod tests {
             let four = dot4([&rows[0], &rows[1], &rows[2], &rows[3]], &a);
             for (i, row) in rows.iter().enumerate() {
                 assert_eq!(four[i], dot(row, &a), "n={n} row {i}");
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn register_blocked_kernel_computes_dot_order_exactly() {
+        if !has_avx2_fma() {
+            println!("SKIPPED: this CPU has no AVX2/FMA, so the blocked kernel never runs");
+            return;
+        }
+        let mut r = rng();
+        // Lengths around the 16-wide chunks, the extra 8-wide chunk and the scalar tail.
+        for k in [
+            1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 40, 100, 300, 768,
+        ] {
+            let rows: Vec<Vec<f32>> = (0..7)
+                .map(|_| (0..k).map(|_| r.random_range(-1.0..1.0)).collect())
+                .collect();
+            let want = |a: usize, b: usize| dot(&rows[a], &rows[b]);
+            // SAFETY: AVX2 and FMA are present (checked above); every row holds k elements.
+            let got = unsafe {
+                avx2::block::<4, 3>(
+                    [&rows[0], &rows[1], &rows[2], &rows[3]],
+                    [&rows[4], &rows[5], &rows[6]],
+                )
+            };
+            for (i, row) in got.iter().enumerate() {
+                for (j, &v) in row.iter().enumerate() {
+                    assert_eq!(v.to_bits(), want(i, 4 + j).to_bits(), "k={k} ({i},{j})");
+                }
+            }
+            // SAFETY: as above.
+            let one = unsafe { avx2::block::<1, 1>([&rows[2]], [&rows[5]]) };
+            assert_eq!(one[0][0].to_bits(), want(2, 5).to_bits(), "k={k} 1x1");
+        }
+    }
+
+    #[test]
+    fn blocked_matmul_equals_one_dot_per_element_at_every_edge() {
+        // Row counts past the 4-row tiles, column counts past the 3-column groups, and at k = 4000
+        // row tiles of 8 rows and tasks of 9 columns (the L2 panel rule): each element is exactly
+        // `dot(x_r, w_c) + b_c`.
+        let mut r = rng();
+        let shapes = [
+            (1, 33, 7),
+            (3, 17, 5),
+            (4, 33, 3),
+            (5, 40, 4),
+            (67, 130, 29),
+            (130, 24, 11),
+            (13, 4000, 20),
+        ];
+        for &(n, k, m) in &shapes {
+            let x: Vec<f32> = (0..n * k).map(|_| r.random_range(-1.0..1.0)).collect();
+            let w: Vec<f32> = (0..m * k).map(|_| r.random_range(-1.0..1.0)).collect();
+            let b: Vec<f32> = (0..m).map(|_| r.random_range(-1.0..1.0)).collect();
+            let mut out = vec![f32::NAN; n * m];
+            matmul_t(&x, &w, Some(&b), n, k, m, &mut out);
+            for i in 0..n {
+                for j in 0..m {
+                    let want = dot(&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]) + b[j];
+                    assert_eq!(
+                        out[i * m + j].to_bits(),
+                        want.to_bits(),
+                        "n={n} k={k} m={m} ({i},{j})"
+                    );
+                }
             }
         }
     }
