@@ -437,7 +437,6 @@ impl Args {
         shared_bytes: usize,
         pdl: bool,
     ) -> Result<()> {
-        use cudarc::driver::sys;
         if !pdl {
             return self.launch_3d(stream, func, grid, block, shared_bytes);
         }
@@ -445,36 +444,18 @@ impl Args {
             .iter_mut()
             .map(|s| s as *mut u64 as *mut c_void)
             .collect();
-        // SAFETY: an all-zero launch attribute value is valid (a plain C union of integers).
-        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.programmaticStreamSerializationAllowed = 1;
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value,
-        };
-        let config = sys::CUlaunchConfig {
-            gridDimX: grid.0 as u32,
-            gridDimY: grid.1 as u32,
-            gridDimZ: grid.2 as u32,
-            blockDimX: block as u32,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: shared_bytes as u32,
-            hStream: stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        // SAFETY: as in `launch_3d`; `config` and `attr` outlive the call.
+        // SAFETY: as in `launch_3d`.
         unsafe {
-            sys::cuLaunchKernelEx(
-                &config,
-                func.cu_function(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
+            launch_ex(
+                stream,
+                func,
+                grid,
+                block,
+                shared_bytes,
+                LaunchAttr::Pdl,
+                &mut params,
             )
         }
-        .result()
         .map_err(|e| dev_err("kernel launch (PDL)", e))
     }
 
@@ -504,6 +485,72 @@ impl Args {
         }
         .map_err(|e| dev_err("kernel launch", e))
     }
+}
+
+/// The one launch attribute [`launch_ex`] sets.
+#[derive(Debug, Clone, Copy)]
+enum LaunchAttr {
+    /// Programmatic stream serialization: the kernel may start before the previous one on the
+    /// stream ends (programmatic dependent launch, sm_90+).
+    Pdl,
+    /// Every block resident at once, or the launch is refused (grid-wide barriers need it).
+    Cooperative,
+}
+
+/// `cuLaunchKernelEx` with one launch attribute; capturable into CUDA graphs like a plain launch.
+///
+/// # Safety
+/// `params` must match `func`'s parameters and point at live values; every device pointer among
+/// them must be a live buffer of the shape the kernel expects.
+unsafe fn launch_ex(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    grid: (usize, usize, usize),
+    block: usize,
+    shared_bytes: usize,
+    attr: LaunchAttr,
+    params: &mut [*mut c_void],
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    // SAFETY: an all-zero launch attribute value is valid (a plain C union of integers).
+    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    let id = match attr {
+        LaunchAttr::Pdl => {
+            value.programmaticStreamSerializationAllowed = 1;
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        }
+        LaunchAttr::Cooperative => {
+            value.cooperative = 1;
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        }
+    };
+    let mut attr = sys::CUlaunchAttribute {
+        id,
+        pad: [0; 4],
+        value,
+    };
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0 as u32,
+        gridDimY: grid.1 as u32,
+        gridDimZ: grid.2 as u32,
+        blockDimX: block as u32,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: shared_bytes as u32,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: `config` and `attr` outlive the call; the caller vouches for `params`.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            func.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }
 
 /// Activation buffers of one forward pass, grown to the largest batch seen and reused.

@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 
-use super::{bias, dev_err, kernels, load_module, load_with_smem, DevBuf, DevLayer, DeviceKv};
+use super::{bias, dev_err, kernels, launch_ex, load_module, load_with_smem, LaunchAttr};
+use super::{DevBuf, DevLayer, DeviceKv};
 use crate::error::{Error, Result};
 
 /// One layer's device pointers, as `MkLayer` in decode_step.cu (same order).
@@ -225,36 +226,17 @@ impl Megakernel {
         smem: usize,
         args: &mut [*mut c_void],
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
-        use cudarc::driver::sys;
-        // SAFETY: an all-zero launch attribute value is valid (a plain C union of integers).
-        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.cooperative = 1;
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
-            pad: [0; 4],
-            value,
-        };
-        let config = sys::CUlaunchConfig {
-            gridDimX: self.grid as u32,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: THREADS as u32,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem as u32,
-            hStream: stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        // SAFETY: `config` and `attr` outlive the call; the caller vouches for `args`.
+        // SAFETY: the caller vouches for `args`.
         unsafe {
-            sys::cuLaunchKernelEx(
-                &config,
-                func.cu_function(),
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
+            launch_ex(
+                stream,
+                func,
+                (self.grid, 1, 1),
+                THREADS,
+                smem,
+                LaunchAttr::Cooperative,
+                args,
             )
         }
-        .result()
     }
 }
