@@ -332,15 +332,7 @@ pub fn copy_bandwidth(ordinal: usize, bytes: usize, reps: usize) -> Result<f64> 
 /// events, in microseconds per barrier. Returns the block count too.
 pub fn grid_barrier(ordinal: usize, iters: usize) -> Result<(usize, f64)> {
     let ctx = context(ordinal)?;
-    let (major, minor) = ctx
-        .compute_capability()
-        .map_err(|e| dev_err("compute capability", e))?;
-    let arch = kernels::virtual_arch(major, minor);
-    let sms = ctx
-        .attribute(
-            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-        )
-        .map_err(|e| dev_err("multiprocessor count", e))? as usize;
+    let (arch, sms, _) = super::arch_and_sms(&ctx)?;
     let mk = super::step::Megakernel::load(&ctx, &arch, sms, kernels::DECODE_MMA_SMEM, 1)?;
     let stream = ctx
         .new_stream()

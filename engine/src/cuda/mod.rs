@@ -720,15 +720,26 @@ struct Gpu {
     _workspace: DevBuf,
 }
 
+/// The virtual architecture to compile kernels for (`compute_XY`), the multiprocessor count and
+/// the compute capability of `ctx`'s GPU.
+fn arch_and_sms(ctx: &Arc<CudaContext>) -> Result<(String, usize, (i32, i32))> {
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| dev_err("compute capability", e))?;
+    let sms = ctx
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .map_err(|e| dev_err("multiprocessor count", e))? as usize;
+    Ok((kernels::virtual_arch(major, minor), sms, (major, minor)))
+}
+
 impl Gpu {
     /// A stream, a cuBLAS handle and the kernels compiled for this context's GPU (the prefill
     /// kernel for `head_dim`). Returns the GPU's name and compute capability too.
     fn new(ctx: &Arc<CudaContext>, head_dim: usize) -> Result<(Self, String, (i32, i32))> {
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| dev_err("compute capability", e))?;
+        let (arch, sms, (major, minor)) = arch_and_sms(ctx)?;
         let name = ctx.name().unwrap_or_else(|_| "GPU".into());
-        let arch = kernels::virtual_arch(major, minor);
         // A stream of our own: the legacy default stream cannot be captured into a graph.
         let stream = ctx
             .new_stream()
@@ -747,11 +758,6 @@ impl Gpu {
         .result()
         .map_err(|e| dev_err("setting the cuBLAS workspace", e))?;
         let k = Kernels::load(ctx, &arch, head_dim)?;
-        let sms = ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(|e| dev_err("multiprocessor count", e))? as usize;
         let gpu = Gpu {
             stream,
             blas,
@@ -1332,13 +1338,12 @@ impl Inner {
         let mega = match (&mma, mega_applies) {
             (Some(m), true) if !m.gather => {
                 let smem = kernels::DECODE_MMA_SMEM.max(cfg.hidden_size * 2);
-                if self.mega.is_none() {
-                    self.mega = Some(step::Megakernel::load(ctx, &self.gpu.arch, sms, smem, nkv)?);
-                }
-                let mk = self
-                    .mega
-                    .as_mut()
-                    .ok_or_else(|| Error::Device("the decode step kernel failed to load".into()))?;
+                let mk = match &mut self.mega {
+                    Some(mk) => mk,
+                    slot => {
+                        slot.insert(step::Megakernel::load(ctx, &self.gpu.arch, sms, smem, nkv)?)
+                    }
+                };
                 let (table, rebuilt) = mk.table(ctx, &self.layers, kv, kv_key(kv))?;
                 if rebuilt {
                     // Graphs captured with the old table must never run again.
