@@ -9,7 +9,7 @@
 // Entry points (all extern "C"):
 //   decode_attn_mma_bf16kv(out, q, k_pool, v_pool, block_tables, context_lens, partial_out,
 //                          partial_ml, max_blocks_per_seq, num_heads, num_kv_heads, block_size,
-//                          head_dim, split_len, max_splits, scale)   K/V elements: bf16 bits (u16)
+//                          head_dim, split_len, max_splits, scale, done)   K/V: bf16 bits (u16)
 //   decode_attn_mma_f32kv (same arguments)                            K/V elements: f32
 //   decode_attn_combine(out, partial_out, partial_ml, context_lens, num_heads, head_dim,
 //                       split_len, max_splits)
@@ -19,7 +19,7 @@
 //                dynamic shared memory DA_SMEM_BYTES (65536; raise the function's
 //                MAX_DYNAMIC_SHARED_SIZE_BYTES attribute to it first).
 //   combine:     grid (num_heads, num_seqs), block 256 threads, no dynamic shared memory.
-//                Always launch it after the mma kernel (it writes out[] for len == 0 and for
+//                Launch it after the mma kernel unless `done` is given (it writes out[] for len == 0 and for
 //                sequences that needed more than one split; single-split sequences are written by
 //                the mma kernel directly and the combine kernel leaves them alone).
 // Requirements: head_dim in {64, 128}; num_heads % num_kv_heads == 0 and
@@ -440,56 +440,27 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
 
 }  // namespace da
 
-extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
-decode_attn_mma_bf16kv(float* out, const float* q, const unsigned short* k_pool, const unsigned short* v_pool,
-                       const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,
-                       int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
-                       int split_len, int max_splits, float scale) {
-  extern __shared__ __align__(16) unsigned char da_smem[];
-  da::pdl_start();
-  if (head_dim == 64)
-    da::mma_impl<unsigned short, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
-                                     max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len,
-                                     max_splits, scale, da_smem, blockIdx.x, blockIdx.y, blockIdx.z);
-  else if (head_dim == 128)
-    da::mma_impl<unsigned short, 128, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
-                                      max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len,
-                                      max_splits, scale, da_smem, blockIdx.x, blockIdx.y, blockIdx.z);
-}
-
-extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
-decode_attn_mma_f32kv(float* out, const float* q, const float* k_pool, const float* v_pool,
-                      const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,
-                      int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
-                      int split_len, int max_splits, float scale) {
-  extern __shared__ __align__(16) unsigned char da_smem[];
-  da::pdl_start();
-  if (head_dim == 64)
-    da::mma_impl<float, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
-                            max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len, max_splits, scale,
-                            da_smem, blockIdx.x, blockIdx.y, blockIdx.z);
-  else if (head_dim == 128)
-    da::mma_impl<float, 128, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
-                             max_blocks_per_seq, num_heads, num_kv_heads, block_size, split_len, max_splits, scale,
-                             da_smem, blockIdx.x, blockIdx.y, blockIdx.z);
-}
-
 // Merge the splits: out = sum_s w_s * O_s / sum_s w_s with w_s = 2^(m_s - max m) * l_s.
-// grid (num_heads, num_seqs), block DA_COMBINE_THREADS.
-// Block (h, seq) of decode_attn_combine (blockDim DA_COMBINE_THREADS): shared with the persistent
-// decode kernel (decode_step.cu).
-__device__ __forceinline__ void combine_head(float* out, const float* partial_out, const float* partial_ml,
-                                             const int* context_lens, int num_heads, int head_dim, int split_len,
-                                             int max_splits, int h, int seq) {
-  __shared__ float red_m[DA_COMBINE_THREADS / 32];
-  __shared__ float acc_s[DA_COMBINE_THREADS];
-  __shared__ float wsum_s[DA_COMBINE_THREADS];
+// Head h of sequence seq, by PT threads of the block (threadIdx.x < PT; all of them call it): the
+// layout is always DA_COMBINE_THREADS virtual threads (DA_COMBINE_THREADS / head_dim parts, each
+// summing every parts-th split), so the bits do not depend on PT. PT = DA_COMBINE_THREADS:
+// decode_attn_combine and the persistent decode kernel (decode_step.cu); PT = DA_THREADS: the mma
+// kernels merging their own splits.
+template <int PT>
+__device__ __forceinline__ void combine_head_t(float* out, const float* partial_out, const float* partial_ml,
+                                               const int* context_lens, int num_heads, int head_dim,
+                                               int split_len, int max_splits, int h, int seq) {
+  constexpr int VT = DA_COMBINE_THREADS;
+  static_assert(VT % PT == 0 && PT % 32 == 0, "PT must divide the virtual block");
+  __shared__ float red_m[PT / 32];
+  __shared__ float acc_s[VT];
+  __shared__ float wsum_s[VT];
   const int tid = threadIdx.x;
-  if (h >= num_heads || head_dim <= 0 || head_dim > DA_COMBINE_THREADS || split_len <= 0) return;
+  if (h >= num_heads || head_dim <= 0 || head_dim > VT || split_len <= 0) return;
   const int len = context_lens[seq];
   const size_t sh = (size_t)seq * num_heads + h;
   if (len <= 0) {
-    for (int d = tid; d < head_dim; d += DA_COMBINE_THREADS) out[sh * head_dim + d] = 0.f;
+    for (int d = tid; d < head_dim; d += PT) out[sh * head_dim + d] = 0.f;
     return;
   }
   int ns = (len + split_len - 1) / split_len;
@@ -498,38 +469,122 @@ __device__ __forceinline__ void combine_head(float* out, const float* partial_ou
   const float* ml = partial_ml + sh * max_splits * 2;
   const float* po = partial_out + sh * max_splits * head_dim;
 
+  // The maximum is exact in any order.
   float M = da::neg_inf();
-  for (int s = tid; s < ns; s += DA_COMBINE_THREADS) M = fmaxf(M, ml[2 * s]);
+  for (int s = tid; s < ns; s += PT) M = fmaxf(M, ml[2 * s]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
   if ((tid & 31) == 0) red_m[tid >> 5] = M;
   __syncthreads();
   M = red_m[0];
 #pragma unroll
-  for (int w = 1; w < DA_COMBINE_THREADS / 32; ++w) M = fmaxf(M, red_m[w]);
+  for (int w = 1; w < PT / 32; ++w) M = fmaxf(M, red_m[w]);
 
-  const int parts = DA_COMBINE_THREADS / head_dim;
-  const int part = tid / head_dim, d = tid % head_dim;
-  float acc = 0.f, wsum = 0.f;
-  if (part < parts) {
+  const int parts = VT / head_dim;
+#pragma unroll
+  for (int vt = tid; vt < VT; vt += PT) {
+    const int part = vt / head_dim, d = vt % head_dim;
+    float acc = 0.f, wsum = 0.f;
+    if (part < parts) {
 #pragma unroll 4
-    for (int s = part; s < ns; s += parts) {
-      const float wt = da::ex2(ml[2 * s] - M) * ml[2 * s + 1];
-      acc += wt * po[(size_t)s * head_dim + d];
-      wsum += wt;
+      for (int s = part; s < ns; s += parts) {
+        const float wt = da::ex2(ml[2 * s] - M) * ml[2 * s + 1];
+        acc += wt * po[(size_t)s * head_dim + d];
+        wsum += wt;
+      }
     }
+    acc_s[vt] = acc;
+    wsum_s[vt] = wsum;
   }
-  acc_s[tid] = acc;
-  wsum_s[tid] = wsum;
   __syncthreads();
-  if (tid < head_dim) {
+  for (int d = tid; d < head_dim; d += PT) {
     float A = 0.f, W = 0.f;
     for (int p = 0; p < parts; ++p) {
-      A += acc_s[p * head_dim + tid];
-      W += wsum_s[p * head_dim + tid];
+      A += acc_s[p * head_dim + d];
+      W += wsum_s[p * head_dim + d];
     }
-    out[sh * head_dim + tid] = A / W;
+    out[sh * head_dim + d] = A / W;
   }
+}
+
+// Block (h, seq) of decode_attn_combine (blockDim DA_COMBINE_THREADS): shared with the persistent
+// decode kernel (decode_step.cu).
+__device__ __forceinline__ void combine_head(float* out, const float* partial_out, const float* partial_ml,
+                                             const int* context_lens, int num_heads, int head_dim, int split_len,
+                                             int max_splits, int h, int seq) {
+  combine_head_t<DA_COMBINE_THREADS>(out, partial_out, partial_ml, context_lens, num_heads, head_dim, split_len,
+                                     max_splits, h, seq);
+}
+
+// With `done` (num_seqs * num_kv_heads zeroed words, left zeroed), the mma kernel merges its own
+// splits: the block that finishes a (sequence, KV head)'s splits last merges them for the group's
+// query heads, computing what decode_attn_combine computes, bit for bit; the combine launch is then
+// left out. Without (`done` null) the combine kernel must follow.
+template <typename T>
+__device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k_pool, const T* v_pool,
+                                          const int* block_tables, const int* context_lens, float* partial_out,
+                                          float* partial_ml, int mbps, int nh, int nkv, int bs, int head_dim,
+                                          int split_len, int max_splits, float scale, unsigned* done) {
+  extern __shared__ __align__(16) unsigned char da_smem[];
+  __shared__ int last;
+  da::pdl_start();
+  const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
+  if (head_dim == 64)
+    da::mma_impl<T, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh,
+                               nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split);
+  else if (head_dim == 128)
+    da::mma_impl<T, 128, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps,
+                                nh, nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split);
+  else
+    return;
+  if (!done || nkv <= 0 || nh % nkv != 0 || split_len <= 0) return;
+  const int group = nh / nkv;
+  const int len = context_lens[seq];
+  if (len <= 0) {  // no split ran: the first block writes the zeros decode_attn_combine would
+    if (split == 0)
+      for (int j = 0; j < group; j++)
+        combine_head_t<DA_THREADS>(out, partial_out, partial_ml, context_lens, nh, head_dim, split_len, max_splits,
+                                   kvh * group + j, seq);
+    return;
+  }
+  const int ns = min((len + split_len - 1) / split_len, max_splits);
+  if (ns <= 1 || split >= ns) return;  // one split wrote out[] itself; empty splits did nothing
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* counter = done + (size_t)seq * nkv + kvh;
+    __threadfence();  // this block's partials are visible before its arrival is
+    last = atomicAdd(counter, 1u) == (unsigned)(ns - 1);
+    if (last) {
+      atomicExch(counter, 0u);
+      __threadfence();  // and every other block's partials before the merge reads them
+    }
+  }
+  __syncthreads();
+  if (!last) return;
+  for (int j = 0; j < group; j++) {
+    combine_head_t<DA_THREADS>(out, partial_out, partial_ml, context_lens, nh, head_dim, split_len, max_splits,
+                               kvh * group + j, seq);
+    __syncthreads();
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
+decode_attn_mma_bf16kv(float* out, const float* q, const unsigned short* k_pool, const unsigned short* v_pool,
+                       const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,
+                       int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
+                       int split_len, int max_splits, float scale, unsigned* done) {
+  mma_entry<unsigned short>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
+                            max_blocks_per_seq, num_heads, num_kv_heads, block_size, head_dim, split_len, max_splits,
+                            scale, done);
+}
+
+extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
+decode_attn_mma_f32kv(float* out, const float* q, const float* k_pool, const float* v_pool,
+                      const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,
+                      int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
+                      int split_len, int max_splits, float scale, unsigned* done) {
+  mma_entry<float>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, max_blocks_per_seq,
+                   num_heads, num_kv_heads, block_size, head_dim, split_len, max_splits, scale, done);
 }
 
 extern "C" __global__ void __launch_bounds__(DA_COMBINE_THREADS)

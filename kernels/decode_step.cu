@@ -26,6 +26,11 @@
 // `done` at kv_heads zeroed words, left zeroed.
 
 #define MK_THREADS (32 * GEMV_WARPS)
+// Blocks per multiprocessor the register budget is sized for (2: 128 registers, some spills;
+// 1: no spills, half the warps). A tuning knob (cuda/tune.rs: TAPEDECK_NVRTC_DEFINES).
+#ifndef MK_MIN_BLOCKS
+#define MK_MIN_BLOCKS 2
+#endif
 
 // Per layer, the device pointers of the step (host: cuda/mod.rs `MkLayer`, same order).
 struct MkLayer {
@@ -288,24 +293,49 @@ extern "C" __global__ void grid_sync_bench(unsigned* bar, int iters) {
     for (int i = 0; i < iters; i++) grid_sync(bar);
 }
 
-extern "C" __global__ void __launch_bounds__(MK_THREADS, 2) decode_step(MkParams p) {
+// Which phases run (bits: 1 q/k/v, 2 attention, 4 o, 8 gate/up, 16 down, 32 head); a skipped
+// phase keeps its barrier. Only for timing the phases on a GPU by difference (the step's numbers
+// are wrong with any bit clear): a tuning knob like MK_MIN_BLOCKS.
+#ifndef MK_PHASES
+#define MK_PHASES 63
+#endif
+#define MK_RUNS(bit) ((MK_PHASES) & (bit))
+
+extern "C" __global__ void __launch_bounds__(MK_THREADS, MK_MIN_BLOCKS) decode_step(MkParams p) {
     extern __shared__ __align__(16) unsigned char mk_smem[];
     const int q_dim = p.heads * p.head_dim, kv_dim = p.kv_heads * p.head_dim;
     for (int l = 0; l < p.n_layers; l++) {
         const MkLayer& L = p.layers[l];
         MkMats qkv = {{L.wq, L.wk, L.wv}, {L.bq, L.bk, L.bv}, {p.q, p.k, p.v}, {q_dim, kv_dim, kv_dim}};
         // The first phase needs no barrier: the embedding kernel before this one has finished.
-        mk_gemv(qkv, p.x, 0, L.attn_norm, p.eps, p.hidden, p.splits_qkv, 0, p.bar, l > 0);
-        if (p.head_dim == 64)
+        if (MK_RUNS(1))
+            mk_gemv(qkv, p.x, 0, L.attn_norm, p.eps, p.hidden, p.splits_qkv, 0, p.bar, l > 0);
+        else if (l > 0)
+            grid_sync(p.bar);
+        if (!MK_RUNS(2))
+            grid_sync(p.bar);
+        else if (p.head_dim == 64)
             mk_attention<64>(p, L, mk_smem);
         else
             mk_attention<128>(p, L, mk_smem);
         MkMats o = {{L.wo, 0, 0}, {L.bo, 0, 0}, {p.x, 0, 0}, {p.hidden, 0, 0}};
-        mk_gemv(o, p.att, 1, 0, 0.0f, q_dim, p.splits_o, 1, p.bar, true);
-        mk_swiglu(L, p.x, p.eps, p.hidden, p.act, p.inter, p.bar);
+        if (MK_RUNS(4))
+            mk_gemv(o, p.att, 1, 0, 0.0f, q_dim, p.splits_o, 1, p.bar, true);
+        else
+            grid_sync(p.bar);
+        if (MK_RUNS(8))
+            mk_swiglu(L, p.x, p.eps, p.hidden, p.act, p.inter, p.bar);
+        else
+            grid_sync(p.bar);
         MkMats down = {{L.wd, 0, 0}, {L.bd, 0, 0}, {p.x, 0, 0}, {p.hidden, 0, 0}};
-        mk_gemv(down, p.act, 0, 0, 0.0f, p.inter, p.splits_down, 1, p.bar, true);
+        if (MK_RUNS(16))
+            mk_gemv(down, p.act, 0, 0, 0.0f, p.inter, p.splits_down, 1, p.bar, true);
+        else
+            grid_sync(p.bar);
     }
     MkMats head = {{p.head_w, 0, 0}, {p.head_b, 0, 0}, {p.logits, 0, 0}, {p.vocab, 0, 0}};
-    mk_gemv(head, p.x, 0, p.final_norm, p.eps, p.hidden, p.splits_head, 0, p.bar, true);
+    if (MK_RUNS(32))
+        mk_gemv(head, p.x, 0, p.final_norm, p.eps, p.hidden, p.splits_head, 0, p.bar, true);
+    else
+        grid_sync(p.bar);
 }

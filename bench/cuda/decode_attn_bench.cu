@@ -387,8 +387,9 @@ struct DecodeArgs {
 };
 
 static void launch_decode(const KernelSet& ks, DecodeArgs a, cudaStream_t s) {
+  unsigned* done = nullptr;  // no in-kernel merge: the combine kernel follows
   void* args[] = {&a.out, &a.q, &a.k, &a.v, &a.bt, &a.lens, &a.pout, &a.pml,
-                  &a.mbps, &a.nh, &a.nkv, &a.bs, &a.D, &a.split_len, &a.max_splits, &a.scale};
+                  &a.mbps, &a.nh, &a.nkv, &a.bs, &a.D, &a.split_len, &a.max_splits, &a.scale, &done};
   launch(a.f32kv ? ks.mma_f32 : ks.mma_bf16, dim3(a.nkv, a.num_seqs, a.max_splits), dim3(DA_THREADS),
          DA_SMEM_BYTES, s, args);
   void* cargs[] = {&a.out, &a.pout, &a.pml, &a.lens, &a.nh, &a.D, &a.split_len, &a.max_splits};

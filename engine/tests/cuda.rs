@@ -24,6 +24,7 @@ use tapedeck_engine::cuda::{kernels, probe};
 use tapedeck_engine::engine::EngineOptions;
 use tapedeck_engine::model::{BlockTable, KvCache, Logits, Pick, Segment, WantLogits};
 use tapedeck_engine::scheduler::{EngineHandle, Event, SchedulerConfig};
+use tapedeck_engine::toggles::KvDtype;
 use tapedeck_engine::{
     Engine, GenerateOutput, GenerateRequest, SamplingParams, StopCriteria, Toggles,
 };
@@ -424,6 +425,18 @@ fn cuda_matches_cpu_on_both_fixtures_under_every_numeric_toggle() {
             let want = run(&cpu, &p, &d, chunk, &t);
             let got = run(&gpu, &p, &d, chunk, &t);
             let err = worst(&got, &want);
+            // A quantized KV cache turns a 1e-7 difference between the backends into a whole
+            // storage step wherever a value sits at a rounding boundary (a 12% step in fp8), so
+            // the two may disagree by as much as the quantization moves the CPU's own result,
+            // and no more.
+            let tol = if t.kv_dtype != KvDtype::F32 {
+                let exact = run(&cpu, &p, &d, chunk, &Toggles::default());
+                let effect = worst(&want, &exact);
+                println!("{name} [{toggles}] the quantization itself moves the CPU's logits by {effect:.2e}");
+                tol.max(effect)
+            } else {
+                tol
+            };
             println!("{name} [{toggles}] {n}+12 tokens: max rel L2 {err:.2e} (bound {tol:e})");
             assert!(err <= tol, "{name} [{toggles}]: rel L2 {err:e} > {tol:e}");
         }
@@ -886,8 +899,10 @@ fn cuda_megakernel_is_bit_identical_to_the_separate_kernels() {
     // logprob must have the same bits as without it (a missing barrier or a stale read would
     // show here), on head_dim 64 (GQA 8/2, a down projection split over 2 warps) and 128 (4/1,
     // q/k/v biases, split over 4), under the toggles the path takes, with graphs, and with FP8
-    // KV. The contexts (20-60 prompt + 90 forced tokens) span many attention splits, so the
-    // split merge runs too. The persistent step counter proves the kernel ran.
+    // KV. The contexts (300-420 prompt + 90 forced tokens) span 3-4 attention splits of the
+    // default 128-position floor, so the split merge runs too: the persistent kernel merges with
+    // the 256-thread combine, the separate mma kernel in its own 128-thread blocks (by default),
+    // and the bits must agree. The persistent step counter proves the kernel ran.
     if let Err(e) = probe() {
         println!("SKIPPED: no usable GPU here ({e})");
         return;
@@ -913,7 +928,7 @@ fn cuda_megakernel_is_bit_identical_to_the_separate_kernels() {
         )
         .unwrap();
         let mut r = rng();
-        let p = tokens(&gpu, r.random_range(20..60), &mut r);
+        let p = tokens(&gpu, r.random_range(300..420), &mut r);
         let forced = tokens(&gpu, 90, &mut r);
         let all = [p.clone(), forced].concat();
         let score = |t: &str| {

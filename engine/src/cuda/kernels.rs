@@ -131,6 +131,9 @@ fn options(arch: &str) -> Vec<String> {
         "-default-device".into(),
         "--std=c++17".into(),
     ]
+    .into_iter()
+    .chain(super::tune::get().nvrtc_defines.iter().cloned())
+    .collect()
 }
 
 fn cache_key(src: &KernelSource, arch: &str) -> String {

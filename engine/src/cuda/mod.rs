@@ -17,6 +17,7 @@ pub mod check;
 pub mod kernels;
 mod meta;
 mod step;
+mod tune;
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -567,6 +568,8 @@ struct Scratch {
     /// Split-K workspace: outputs (rows, heads, splits, head_dim) and (max, sum) pairs.
     partial_out: Option<DevBuf>,
     partial_ml: Option<DevBuf>,
+    /// Split counters of the mma kernel's own merge, zeroed and left zeroed by every launch.
+    mma_done: Option<DevBuf>,
     /// The persistent decode step's rotated queries, one copy per split (splits, heads, head_dim).
     mk_q: Option<DevBuf>,
     /// Token picking: per-chunk statistics and candidates, and the results copied back.
@@ -619,24 +622,44 @@ fn ensure(
     Ok(slot.as_ref().map_or(0, |b| b.ptr))
 }
 
+/// [`ensure`] for a buffer whose new allocations start zeroed (the kernels leave it zeroed).
+fn ensure_zeroed(
+    slot: &mut Option<DevBuf>,
+    ctx: &Arc<CudaContext>,
+    bytes: usize,
+    generation: &mut u64,
+) -> Result<u64> {
+    if slot.as_ref().is_none_or(|b| b.bytes < bytes) {
+        *slot = None;
+        *slot = Some(DevBuf::from_slice(
+            ctx,
+            &vec![0u8; bytes.next_power_of_two()],
+        )?);
+        *generation += 1;
+    }
+    Ok(slot.as_ref().map_or(0, |b| b.ptr))
+}
+
 /// Most rows the GEMV kernels take (their `GEMV_MAX_ROWS`), and warps per block (`GEMV_WARPS`).
 const GEMV_MAX_ROWS: usize = 4;
 const GEMV_WARPS: usize = 8;
-/// Inputs one GEMV warp holds in its prefetched chunks (32 lanes × `GEMV_PRE` 8 × 8 bf16).
-const GEMV_SLICE: usize = 2048;
+/// Inputs one GEMV warp holds in its prefetched chunks (32 lanes × `GEMV_PRE` 8 × 8 bf16): the
+/// default longest slice (`TAPEDECK_GEMV_SLICE`, cuda/tune.rs, sets a shorter one).
+pub(crate) const GEMV_SLICE: usize = 2048;
 
 /// Warps that share one output feature of a GEMV of `n` rows over `inp` inputs: doubled (up to
 /// a block) while a warp's slice is longer than what it prefetches, so a long row (the down
 /// projection's 8192) is fetched by several warps at once rather than by one in dependent rounds
 /// (H200, down projection: 15.5 → 13.3 µs at one row). Each slice must stay a whole number of
 /// 16-byte chunks. One warp per feature for 3-4 rows, where splitting measured slower (the
-/// kernels for 3-4 rows ignore the argument).
-fn gemv_splits(inp: usize, n: usize) -> usize {
+/// kernels for 3-4 rows ignore the argument). `slice`: the longest slice, normally
+/// [`GEMV_SLICE`].
+fn gemv_splits(inp: usize, n: usize, slice: usize) -> usize {
     let mut s = 1;
     if n > 2 {
         return s;
     }
-    while s < GEMV_WARPS && inp > s * GEMV_SLICE && inp.is_multiple_of(16 * s) {
+    while s < GEMV_WARPS && inp > s * slice && inp.is_multiple_of(16 * s) {
         s *= 2;
     }
     s
@@ -880,8 +903,15 @@ impl CudaBackend {
 
 /// The split-K rule of the mma decode kernel (docs/cuda_decode_attention.md, measured on the
 /// H200): with fewer (KV head, sequence) pairs than resident blocks, about two blocks per
-/// multiprocessor of long splits; with more, a few splits each. Returns `(split_len, max_splits)`.
-fn split_rule(rows: usize, kv_heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
+/// multiprocessor of long splits; with more, a few splits each; no split shorter than `split_min`
+/// (`TAPEDECK_MMA_SPLIT_MIN`, cuda/tune.rs). Returns `(split_len, max_splits)`.
+fn split_rule(
+    rows: usize,
+    kv_heads: usize,
+    max_len: usize,
+    sms: usize,
+    split_min: usize,
+) -> (usize, usize) {
     // Resident blocks of the kernel (3 per SM at 64 KiB of shared memory and 128 threads).
     let slots = 3 * sms;
     let base = (rows * kv_heads).max(1);
@@ -890,7 +920,7 @@ fn split_rule(rows: usize, kv_heads: usize, max_len: usize, sms: usize) -> (usiz
     } else {
         (2 * sms / base).max(1)
     };
-    let split_len = (max_len.div_ceil(splits).div_ceil(64) * 64).max(256);
+    let split_len = (max_len.div_ceil(splits).div_ceil(64) * 64).max(split_min);
     (split_len, max_len.div_ceil(split_len).max(1))
 }
 
@@ -955,7 +985,7 @@ impl Gpu {
         pdl: bool,
     ) -> Result<()> {
         let inp = mats.first().map_or(0, |(l, _)| l.inp);
-        let splits = gemv_splits(inp, n);
+        let splits = gemv_splits(inp, n, tune::get().gemv_slice);
         let (a, smem) = x.args(Args::new(), n, inp);
         let mut a = a.i(n).i(inp).i(splits).i(usize::from(add));
         let mut total = 0;
@@ -1207,6 +1237,9 @@ struct MmaPass {
     partial_ml: u64,
     split_len: usize,
     max_splits: usize,
+    /// The split counters, (rows, KV heads) zeroed words, when the mma kernel merges its own
+    /// splits (the default; `TAPEDECK_MMA_MERGE=kernel` launches the combine kernel instead): 0.
+    done: u64,
 }
 
 impl Inner {
@@ -1282,7 +1315,7 @@ impl Inner {
             && mma_shape_ok
             && nr > 0
         {
-            let (split_len, max_splits) = split_rule(nr, nkv, max_len, sms);
+            let (split_len, max_splits) = split_rule(nr, nkv, max_len, sms, tune::get().split_min);
             let (q_dec, o_dec) = if decode_in_order {
                 (q_buf, att_buf)
             } else {
@@ -1299,6 +1332,11 @@ impl Inner {
                 partial_ml: ensure(&mut sc.partial_ml, ctx, nr * nh * max_splits * 2 * 4, g)?,
                 split_len,
                 max_splits,
+                done: if tune::get().mma_merge_in_kernel {
+                    ensure_zeroed(&mut sc.mma_done, ctx, nr * nkv * 4, g)?
+                } else {
+                    0
+                },
             })
         } else {
             None
@@ -1363,6 +1401,7 @@ impl Inner {
                     .ok_or_else(|| Error::Device("scratch buffers missing".into()))?;
                 let mi = |off: usize| meta_ptr + (off * 4) as u64;
                 let int = |v: usize| v as i32;
+                let slice = tune::get().gemv_slice;
                 Some((
                     step::MkParams {
                         x: b.x.ptr,
@@ -1398,10 +1437,10 @@ impl Inner {
                         split_len: int(m.split_len),
                         max_splits: int(m.max_splits),
                         kv_mode: int(kv_mode),
-                        splits_qkv: int(gemv_splits(cfg.hidden_size, 1)),
-                        splits_o: int(gemv_splits(q_dim, 1)),
-                        splits_down: int(gemv_splits(cfg.intermediate_size, 1)),
-                        splits_head: int(gemv_splits(cfg.hidden_size, 1)),
+                        splits_qkv: int(gemv_splits(cfg.hidden_size, 1, slice)),
+                        splits_o: int(gemv_splits(q_dim, 1, slice)),
+                        splits_down: int(gemv_splits(cfg.intermediate_size, 1, slice)),
+                        splits_head: int(gemv_splits(cfg.hidden_size, 1, slice)),
                         eps: cfg.rms_norm_eps,
                         scale: 1.0 / (hd as f32).sqrt(),
                     },
@@ -1650,6 +1689,7 @@ impl Inner {
                     .i(m.split_len)
                     .i(m.max_splits)
                     .f(pass.scale)
+                    .p(m.done)
                     .launch_pdl(
                         s,
                         &kn.decode_mma,
@@ -1658,16 +1698,18 @@ impl Inner {
                         kernels::DECODE_MMA_SMEM,
                         early,
                     )?;
-                Args::new()
-                    .p(m.o_dec)
-                    .p(m.partial_out)
-                    .p(m.partial_ml)
-                    .p(mi(meta.decode_ctx))
-                    .i(nh)
-                    .i(hd)
-                    .i(m.split_len)
-                    .i(m.max_splits)
-                    .launch_pdl(s, &kn.decode_combine, (nh, nr, 1), 256, 0, early)?;
+                if m.done == 0 {
+                    Args::new()
+                        .p(m.o_dec)
+                        .p(m.partial_out)
+                        .p(m.partial_ml)
+                        .p(mi(meta.decode_ctx))
+                        .i(nh)
+                        .i(hd)
+                        .i(m.split_len)
+                        .i(m.max_splits)
+                        .launch_pdl(s, &kn.decode_combine, (nh, nr, 1), 256, 0, early)?;
+                }
                 if m.gather {
                     Args::new().p(att).p(m.o_dec).p(rows).i(q_dim).launch(
                         s,
@@ -1847,12 +1889,12 @@ mod tests {
             (8192, 4),
             (8200, 1),
         ] {
-            assert_eq!(gemv_splits(inp, 1), want, "{inp} inputs");
-            assert_eq!(gemv_splits(inp, 2), want, "{inp} inputs");
-            assert_eq!(gemv_splits(inp, 3), 1, "{inp} inputs, 3 rows");
+            assert_eq!(gemv_splits(inp, 1, GEMV_SLICE), want, "{inp} inputs");
+            assert_eq!(gemv_splits(inp, 2, GEMV_SLICE), want, "{inp} inputs");
+            assert_eq!(gemv_splits(inp, 3, GEMV_SLICE), 1, "{inp} inputs, 3 rows");
         }
         for inp in (8..70_000).step_by(8) {
-            let s = gemv_splits(inp, 1);
+            let s = gemv_splits(inp, 1, GEMV_SLICE);
             assert!(GEMV_WARPS.is_multiple_of(s), "{inp}: {s}");
             assert!(
                 (inp / s).is_multiple_of(8) && inp.is_multiple_of(s),
@@ -1867,19 +1909,21 @@ mod tests {
 
     #[test]
     fn split_rule_covers_every_context_and_fills_the_gpu() {
-        for rows in [1, 3, 8, 64, 200] {
-            for max_len in [1, 17, 256, 1000, 4096, 32768, 131072] {
-                let (len, splits) = split_rule(rows, 8, max_len, 132);
-                assert!(len >= 256 && len % 64 == 0, "{rows} {max_len}: {len}");
-                assert!(max_len.div_ceil(len) <= splits, "{rows} {max_len}");
-                assert!(
-                    splits == 1 || (splits - 1) * len < max_len,
-                    "no empty split"
-                );
+        for floor in [64, 128, 256] {
+            for rows in [1, 3, 8, 64, 200] {
+                for max_len in [1, 17, 256, 1000, 4096, 32768, 131072] {
+                    let (len, splits) = split_rule(rows, 8, max_len, 132, floor);
+                    assert!(len >= floor && len % 64 == 0, "{rows} {max_len}: {len}");
+                    assert!(max_len.div_ceil(len) <= splits, "{rows} {max_len}");
+                    assert!(
+                        splits == 1 || (splits - 1) * len < max_len,
+                        "no empty split"
+                    );
+                }
             }
         }
         // Batch 1 at 32k: long contexts are spread over about two blocks per multiprocessor.
-        let (_, splits) = split_rule(1, 8, 32768, 132);
+        let (_, splits) = split_rule(1, 8, 32768, 132, 256);
         assert!(splits * 8 >= 132, "{splits} splits leave the GPU idle");
     }
 }
