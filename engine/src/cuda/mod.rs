@@ -1238,7 +1238,7 @@ struct MmaPass {
     split_len: usize,
     max_splits: usize,
     /// The split counters, (rows, KV heads) zeroed words, when the mma kernel merges its own
-    /// splits (the default; `TAPEDECK_MMA_MERGE=kernel` launches the combine kernel instead): 0.
+    /// splits (`TAPEDECK_MMA_MERGE=in-kernel`); else 0 and the combine kernel runs.
     done: u64,
 }
 
