@@ -629,15 +629,14 @@ fn ensure_zeroed(
     bytes: usize,
     generation: &mut u64,
 ) -> Result<u64> {
-    if slot.as_ref().is_none_or(|b| b.bytes < bytes) {
-        *slot = None;
-        *slot = Some(DevBuf::from_slice(
-            ctx,
-            &vec![0u8; bytes.next_power_of_two()],
-        )?);
-        *generation += 1;
+    let before = *generation;
+    let ptr = ensure(slot, ctx, bytes, generation)?;
+    if *generation != before {
+        let len = slot.as_ref().map_or(0, |b| b.bytes);
+        // SAFETY: `ptr` is the live allocation of `len` bytes just made by `ensure`.
+        unsafe { dr::memset_d8_sync(ptr, 0, len) }.map_err(|e| dev_err("zeroing", e))?;
     }
-    Ok(slot.as_ref().map_or(0, |b| b.ptr))
+    Ok(ptr)
 }
 
 /// Most rows the GEMV kernels take (their `GEMV_MAX_ROWS`), and warps per block (`GEMV_WARPS`).
