@@ -165,11 +165,18 @@ __device__ __forceinline__ void mk_gemv_vb(const MkRow& r, const bf16_t* wr, con
     if (part == 0 && r.live) gemv_store<1>(acc, r.b, r.y, r.out, r.row, add, lane);
 }
 
+// Virtual blocks of a GEMV phase whose weight rows each warp keeps in flight (2: double
+// buffering, MK_DEPTH * 32 registers of chunks). A tuning knob (cuda/tune.rs:
+// TAPEDECK_NVRTC_DEFINES): deeper rings want MK_MIN_BLOCKS=1 for the registers.
+#ifndef MK_DEPTH
+#define MK_DEPTH 2
+#endif
+
 // One GEMV phase, n = 1: what gemv_bf16_1 computes with these arguments, its virtual block vb
-// taken by block vb % gridDim.x. Double-buffered: the rows of a block's next virtual block are in
-// flight while it computes the current one, and the first two are requested before the barrier
-// that opens the phase (`wait`; the previous phase's output is the input). The fused RMSNorm
-// (norm_w) is computed once per block.
+// taken by block vb % gridDim.x. A ring of MK_DEPTH buffers: the rows of a block's next
+// MK_DEPTH - 1 virtual blocks are in flight while it computes the current one, and the first
+// MK_DEPTH are requested before the barrier that opens the phase (`wait`; the previous phase's
+// output is the input). The fused RMSNorm (norm_w) is computed once per block.
 __device__ __forceinline__ void mk_gemv(const MkMats& m, const void* x, int x_f32, const float* norm_w, float eps,
                                         int in, int splits, int add, unsigned* bar, bool wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -185,26 +192,29 @@ __device__ __forceinline__ void mk_gemv(const MkMats& m, const void* x, int x_f3
         gemv_prefetch(wr, len, lane, r.live, buf);
     };
     int vb = blockIdx.x;
-    MkRow ra, rb;
-    const bf16_t *wa, *wb;
-    uint4 a[GEMV_PRE], b[GEMV_PRE];
-    fetch(vb, ra, wa, a);
-    fetch(vb + step, rb, wb, b);
+    MkRow r[MK_DEPTH];
+    const bf16_t* wr[MK_DEPTH];
+    uint4 buf[MK_DEPTH][GEMV_PRE];
+#pragma unroll
+    for (int d = 0; d < MK_DEPTH; d++) fetch(vb + d * step, r[d], wr[d], buf[d]);
     if (wait) grid_sync(bar);
     if (vb >= nvb) return;  // uniform over the block
     if (norm_w) {
         x = gemv_norm_prologue((const float*)x, norm_w, eps, 1, in);
         x_f32 = 0;
     }
-    for (;;) {
-        mk_gemv_vb(ra, wa, a, x, x_f32, in, k0, len, splits, add);
-        fetch(vb + 2 * step, ra, wa, a);
-        vb += step;
-        if (vb >= nvb) break;
-        mk_gemv_vb(rb, wb, b, x, x_f32, in, k0, len, splits, add);
-        fetch(vb + 2 * step, rb, wb, b);
-        vb += step;
-        if (vb >= nvb) break;
+    for (bool done = false; !done;) {
+        // A fixed trip count with no exit inside, so it unrolls: every buffer index is then a
+        // constant and the ring stays in registers.
+#pragma unroll
+        for (int d = 0; d < MK_DEPTH; d++) {
+            if (!done) {
+                mk_gemv_vb(r[d], wr[d], buf[d], x, x_f32, in, k0, len, splits, add);
+                fetch(vb + MK_DEPTH * step, r[d], wr[d], buf[d]);
+                vb += step;
+                done = vb >= nvb;
+            }
+        }
     }
 }
 
