@@ -218,35 +218,63 @@ __device__ __forceinline__ void mk_gemv(const MkMats& m, const void* x, int x_f3
     }
 }
 
+// Virtual blocks of the gate/up phase whose gate and up rows each warp keeps (1: the current
+// one's, with the next one's gate requested while the current up product runs; MK_SWIGLU_DEPTH *
+// 64 registers of chunks). A tuning knob like MK_DEPTH.
+#ifndef MK_SWIGLU_DEPTH
+#define MK_SWIGLU_DEPTH 1
+#endif
+
 // The gate/up phase, n = 1: what gemv_bf16_swiglu_1 computes (input: the residual stream
-// normalized with the layer's MLP norm). The next virtual block's gate row is requested as soon
-// as the current one's gate product is done, its up row after the up product, so two rows per
-// warp stay in flight.
+// normalized with the layer's MLP norm). A ring of MK_SWIGLU_DEPTH virtual blocks' rows: the gate
+// row MK_SWIGLU_DEPTH blocks ahead is requested as soon as the current gate product is done, its
+// up row after the up product, so 2 * MK_SWIGLU_DEPTH rows per warp stay in flight.
 __device__ __forceinline__ void mk_swiglu(const MkLayer& L, const float* x, float eps, int in, bf16_t* out,
                                           int inter, unsigned* bar) {
+    constexpr int D = MK_SWIGLU_DEPTH;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nvb = (inter + GEMV_WARPS - 1) / GEMV_WARPS;
+    const int step = gridDim.x;
     int vb = blockIdx.x;
-    int row = vb * GEMV_WARPS + warp;
-    bool live = vb < nvb && row < inter;
-    uint4 pre_g[GEMV_PRE], pre_u[GEMV_PRE];
-    size_t at = live ? (size_t)row * in : 0;
-    gemv_prefetch(L.wg + at, in, lane, live, pre_g);
-    gemv_prefetch(L.wu + at, in, lane, live, pre_u);
+    // Virtual block v's row for this warp: its row index and weight offset, or not live.
+    auto locate = [&](int v, int& row, bool& live, size_t& at) {
+        row = v * GEMV_WARPS + warp;
+        live = v < nvb && row < inter;
+        at = live ? (size_t)row * in : 0;
+    };
+    int row[D];
+    bool live[D];
+    size_t at[D];
+    uint4 pre_g[D][GEMV_PRE], pre_u[D][GEMV_PRE];
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+        locate(vb + d * step, row[d], live[d], at[d]);
+        gemv_prefetch(L.wg + at[d], in, lane, live[d], pre_g[d]);
+        gemv_prefetch(L.wu + at[d], in, lane, live[d], pre_u[d]);
+    }
     grid_sync(bar);
     if (vb >= nvb) return;
     const bf16_t* xs = gemv_norm_prologue(x, L.mlp_norm, eps, 1, in);
-    while (vb < nvb) {
-        const int nrow = (vb + gridDim.x) * GEMV_WARPS + warp;
-        const bool nlive = vb + (int)gridDim.x < nvb && nrow < inter;
-        const size_t nat = nlive ? (size_t)nrow * in : 0;
-        float g[1] = {0.0f}, u[1] = {0.0f};
-        if (live) gemv_row<1, false>(L.wg + at, pre_g, xs, in, 0, in, lane, g);
-        gemv_prefetch(L.wg + nat, in, lane, nlive, pre_g);
-        if (live) gemv_row<1, false>(L.wu + at, pre_u, xs, in, 0, in, lane, u);
-        gemv_prefetch(L.wu + nat, in, lane, nlive, pre_u);
-        if (live) swiglu_store<1>(g, u, L.bg, L.bu, out, inter, row, lane);
-        vb += gridDim.x, row = nrow, live = nlive, at = nat;
+    for (bool done = false; !done;) {
+        // A fixed trip count with no exit inside, so it unrolls and the ring stays in registers.
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            if (!done) {
+                int nrow;
+                bool nlive;
+                size_t nat;
+                locate(vb + D * step, nrow, nlive, nat);
+                float g[1] = {0.0f}, u[1] = {0.0f};
+                if (live[d]) gemv_row<1, false>(L.wg + at[d], pre_g[d], xs, in, 0, in, lane, g);
+                gemv_prefetch(L.wg + nat, in, lane, nlive, pre_g[d]);
+                if (live[d]) gemv_row<1, false>(L.wu + at[d], pre_u[d], xs, in, 0, in, lane, u);
+                gemv_prefetch(L.wu + nat, in, lane, nlive, pre_u[d]);
+                if (live[d]) swiglu_store<1>(g, u, L.bg, L.bu, out, inter, row[d], lane);
+                row[d] = nrow, live[d] = nlive, at[d] = nat;
+                vb += step;
+                done = vb >= nvb;
+            }
+        }
     }
 }
 

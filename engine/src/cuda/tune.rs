@@ -6,8 +6,9 @@
 //! every knob keeps the measured default. Values that do not parse are reported once and ignored.
 //!
 //! - `TAPEDECK_NVRTC_DEFINES=NAME=VALUE,...`: preprocessor definitions for every kernel source
-//!   (each kernel's tunable macros are `#ifndef`-guarded), e.g. `MK_MIN_BLOCKS=1`. They enter
-//!   the PTX cache key like any other compile option.
+//!   (each kernel's tunable macros are `#ifndef`-guarded: decode_step.cu's `MK_MIN_BLOCKS`,
+//!   `MK_DEPTH`, `MK_SWIGLU_DEPTH`, `MK_PHASES`), e.g. `MK_MIN_BLOCKS=1`. They enter the PTX
+//!   cache key like any other compile option.
 //! - `TAPEDECK_MMA_SPLIT_MIN=N`: the shortest split of the mma decode kernel's split-K (a
 //!   multiple of 64, default 128).
 //! - `TAPEDECK_GEMV_SLICE=N`: the longest slice of a weight row one GEMV warp reads (256, 512,
