@@ -516,6 +516,32 @@ __device__ __forceinline__ void combine_head(float* out, const float* partial_ou
                                      max_splits, h, seq);
 }
 
+// After a block has written its split's partials (and met its threads at a barrier): counts it
+// in `counter` (one per sequence and KV head, zero between launches), and if it is the last of
+// the `ns` splits to finish, resets the counter and merges the splits of the group's query heads
+// head0 .. head0 + group - 1 as decode_attn_combine would. Every one of the block's PT threads
+// calls it. Used by the mma kernels' own merge and the persistent decode kernel.
+template <int PT>
+__device__ __forceinline__ void merge_if_last_split(unsigned* counter, int ns, float* out, const float* partial_out,
+                                                    const float* partial_ml, const int* context_lens, int num_heads,
+                                                    int head_dim, int split_len, int max_splits, int head0, int group,
+                                                    int seq) {
+  __shared__ int last;
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's partials are visible before its arrival is
+    last = atomicAdd(counter, 1u) == (unsigned)(ns - 1);
+    if (last) atomicExch(counter, 0u);
+    __threadfence();  // and, for the last, every other block's partials before the merge reads them
+  }
+  __syncthreads();
+  if (!last) return;
+  for (int j = 0; j < group; j++) {
+    combine_head_t<PT>(out, partial_out, partial_ml, context_lens, num_heads, head_dim, split_len, max_splits,
+                       head0 + j, seq);
+    __syncthreads();
+  }
+}
+
 // With `done` (num_seqs * num_kv_heads zeroed words, left zeroed), the mma kernel merges its own
 // splits: the block that finishes a (sequence, KV head)'s splits last merges them for the group's
 // query heads, computing what decode_attn_combine computes, bit for bit; the combine launch is then
@@ -526,7 +552,6 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
                                           float* partial_ml, int mbps, int nh, int nkv, int bs, int head_dim,
                                           int split_len, int max_splits, float scale, unsigned* done) {
   extern __shared__ __align__(16) unsigned char da_smem[];
-  __shared__ int last;
   da::pdl_start();
   const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
   if (head_dim == 64)
@@ -550,22 +575,8 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
   const int ns = min((len + split_len - 1) / split_len, max_splits);
   if (ns <= 1 || split >= ns) return;  // one split wrote out[] itself; empty splits did nothing
   __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* counter = done + (size_t)seq * nkv + kvh;
-    __threadfence();  // this block's partials are visible before its arrival is
-    last = atomicAdd(counter, 1u) == (unsigned)(ns - 1);
-    if (last) {
-      atomicExch(counter, 0u);
-      __threadfence();  // and every other block's partials before the merge reads them
-    }
-  }
-  __syncthreads();
-  if (!last) return;
-  for (int j = 0; j < group; j++) {
-    combine_head_t<DA_THREADS>(out, partial_out, partial_ml, context_lens, nh, head_dim, split_len, max_splits,
-                               kvh * group + j, seq);
-    __syncthreads();
-  }
+  merge_if_last_split<DA_THREADS>(done + (size_t)seq * nkv + kvh, ns, out, partial_out, partial_ml, context_lens, nh,
+                                  head_dim, split_len, max_splits, kvh * group, group, seq);
 }
 
 extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)

@@ -286,7 +286,6 @@ __device__ __forceinline__ void mk_swiglu(const MkLayer& L, const float* x, floa
 // (a counter per KV head, reset by it) merges them, as decode_attn_combine would.
 template <int D>
 __device__ __forceinline__ void mk_attention(const MkParams& p, const MkLayer& L, unsigned char* smem) {
-    __shared__ int last;
     grid_sync(p.bar);
     const int group = p.heads / p.kv_heads;
     const int len = p.ctx[0];
@@ -307,22 +306,9 @@ __device__ __forceinline__ void mk_attention(const MkParams& p, const MkLayer& L
                                          p.partial_ml, p.max_blocks, p.heads, p.kv_heads, p.block_size,
                                          p.split_len, p.max_splits, p.scale, smem, kvh, 0, split);
         __syncthreads();
-        if (ns > 1) {
-            if (threadIdx.x == 0) {
-                __threadfence();
-                last = atomicAdd(p.done + kvh, 1u) == (unsigned)(ns - 1);
-                if (last) atomicExch(p.done + kvh, 0u);
-                __threadfence();
-            }
-            __syncthreads();
-            if (last) {
-                for (int j = 0; j < group; j++) {
-                    combine_head(p.att, p.partial_out, p.partial_ml, p.ctx, p.heads, D, p.split_len, p.max_splits,
-                                 kvh * group + j, 0);
-                    __syncthreads();
-                }
-            }
-        }
+        if (ns > 1)
+            merge_if_last_split<DA_COMBINE_THREADS>(p.done + kvh, ns, p.att, p.partial_out, p.partial_ml, p.ctx,
+                                                    p.heads, D, p.split_len, p.max_splits, kvh * group, group, 0);
     }
 }
 

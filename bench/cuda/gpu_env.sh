@@ -9,3 +9,7 @@ for lib in libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13; do
     echo "warning: $lib not found"
   fi
 done
+
+# Each of a comma-separated toggle set ("a=b,c=d") as `--toggle` arguments, one per line (read
+# them with `mapfile -t args < <(toggle_args "$set")`).
+toggle_args() { local IFS=,; for p in $1; do printf -- '--toggle\n%s\n' "$p"; done; }

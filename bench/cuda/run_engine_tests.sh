@@ -73,8 +73,6 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
     [ "${ONLY_AB:-0}" = 1 ] && exit $status
     serve_check tiny-qwen2
   }
-  # Each toggle set as --toggle arguments.
-  toggle_args() { local IFS=,; for p in $1; do printf -- '--toggle\n%s\n' "$p"; done; }
   [ "${ONLY_1B:-0}" = 1 ] || for t in "" "cuda_graphs=on"; do
     mapfile -t ta < <(toggle_args "$t")
     timeout 240 "$td" bench engine --device cuda --model tiny-qwen2 --model llama-120m \

@@ -19,9 +19,7 @@ echo "|---|---|---|---|---|"
 for rep in $(seq "${REPS:-2}"); do
   for cfg in "$@"; do
     knobs=${cfg%% *} toggles=${cfg#* }
-    args=()
-    IFS=, read -ra ts <<< "$toggles"
-    for t in "${ts[@]}"; do args+=(--toggle "$t"); done
+    mapfile -t args < <(toggle_args "$toggles")
     IFS=+ read -ra kv <<< "$knobs"
     env "${kv[@]}" timeout 120 "$bin" bench engine --device cuda --model "${MODEL:-llama-1b}" \
       "${args[@]}" --prompt-len "${PROMPT:-512}" --gen "${GEN:-64}" --concurrency 0 --turns 0 \

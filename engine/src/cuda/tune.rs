@@ -41,7 +41,7 @@ pub(crate) struct Tuning {
 const SPLIT_MIN: usize = 128;
 
 impl Tuning {
-    /// Parses the two variables' values (`None` when unset).
+    /// Parses the variables' values (`None` when unset).
     fn parse(
         defines: Option<&str>,
         split_min: Option<&str>,
@@ -68,25 +68,20 @@ impl Tuning {
                 tracing::warn!("TAPEDECK_NVRTC_DEFINES: ignoring {d:?} (want NAME=VALUE)");
             }
         }
-        let split_min = match split_min.map(|s| s.trim().parse::<usize>()) {
-            None => SPLIT_MIN,
-            Some(Ok(n)) if n >= 64 && n.is_multiple_of(64) => n,
-            Some(_) => {
-                tracing::warn!("TAPEDECK_MMA_SPLIT_MIN: want a multiple of 64; using {SPLIT_MIN}");
-                SPLIT_MIN
-            }
-        };
-        let gemv_slice = match gemv_slice.map(|s| s.trim().parse::<usize>()) {
-            None => super::GEMV_SLICE,
-            Some(Ok(n)) if [256, 512, 1024, 2048].contains(&n) => n,
-            Some(_) => {
-                tracing::warn!(
-                    "TAPEDECK_GEMV_SLICE: want 256, 512, 1024 or 2048; using {}",
-                    super::GEMV_SLICE
-                );
-                super::GEMV_SLICE
-            }
-        };
+        let split_min = number(
+            "TAPEDECK_MMA_SPLIT_MIN",
+            split_min,
+            SPLIT_MIN,
+            |n| n >= 64 && n.is_multiple_of(64),
+            "a multiple of 64",
+        );
+        let gemv_slice = number(
+            "TAPEDECK_GEMV_SLICE",
+            gemv_slice,
+            super::GEMV_SLICE,
+            |n| [256, 512, 1024, 2048].contains(&n),
+            "256, 512, 1024 or 2048",
+        );
         let mma_merge_in_kernel = match merge.map(str::trim) {
             None | Some("kernel") => false,
             Some("in-kernel") => true,
@@ -100,6 +95,25 @@ impl Tuning {
             split_min,
             gemv_slice,
             mma_merge_in_kernel,
+        }
+    }
+}
+
+/// Variable `name`'s number, `default` when unset or not one that `ok` accepts (`want` says which
+/// are, in the warning).
+fn number(
+    name: &str,
+    value: Option<&str>,
+    default: usize,
+    ok: impl Fn(usize) -> bool,
+    want: &str,
+) -> usize {
+    match value.map(|v| v.trim().parse::<usize>()) {
+        None => default,
+        Some(Ok(n)) if ok(n) => n,
+        Some(_) => {
+            tracing::warn!("{name}: want {want}; using {default}");
+            default
         }
     }
 }
