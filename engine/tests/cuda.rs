@@ -59,6 +59,20 @@ fn engines(name: &str) -> Option<(Arc<Engine>, Arc<Engine>)> {
     Some((load(Device::Cpu), load(Device::Cuda(0))))
 }
 
+/// Builds the fixture model `spec` under `dir` and loads it on GPU 0.
+fn build_on_gpu(dir: &Path, spec: &tapedeck_engine::fixture::FixtureSpec) -> Engine {
+    let path = dir.join(&spec.name);
+    tapedeck_engine::fixture::build(spec, &path).unwrap();
+    Engine::load_with(
+        &path,
+        &EngineOptions {
+            threads: None,
+            device: Device::Cuda(0),
+        },
+    )
+    .unwrap()
+}
+
 fn rng() -> rand_chacha::ChaCha8Rng {
     let seed: u64 = rand::random();
     println!("seed {seed}");
@@ -714,16 +728,7 @@ fn cuda_picks_tokens_on_the_device_like_the_host() {
     spec.name = "pick-70k".into();
     spec.model_vocab_size = Some(70_001);
     spec.num_layers = 2;
-    let path = dir.path().join(&spec.name);
-    tapedeck_engine::fixture::build(&spec, &path).unwrap();
-    let gpu = Engine::load_with(
-        &path,
-        &EngineOptions {
-            threads: None,
-            device: Device::Cuda(0),
-        },
-    )
-    .unwrap();
+    let gpu = build_on_gpu(dir.path(), &spec);
     let vocab = gpu.config().vocab_size;
     assert_eq!(vocab, 70_001);
     let mut r = rng();
@@ -832,18 +837,7 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
     spec.num_kv_heads = 2;
     spec.head_dim = Some(64);
     spec.num_layers = 2;
-    let path = dir.path().join(&spec.name);
-    tapedeck_engine::fixture::build(&spec, &path).unwrap();
-    let gpu = Arc::new(
-        Engine::load_with(
-            &path,
-            &EngineOptions {
-                threads: None,
-                device: Device::Cuda(0),
-            },
-        )
-        .unwrap(),
-    );
+    let gpu = Arc::new(build_on_gpu(dir.path(), &spec));
     let mut r = rng();
     let p = tokens(&gpu, r.random_range(20..60), &mut r);
     let forced = tokens(&gpu, 90, &mut r);
@@ -938,16 +932,7 @@ fn cuda_megakernel_is_bit_identical_to_the_separate_kernels() {
     (b.hidden_size, b.num_heads, b.num_kv_heads, b.head_dim) = (512, 4, 1, Some(128));
     (b.num_layers, b.intermediate_size) = (2, 4608);
     for spec in [a, b] {
-        let path = dir.path().join(&spec.name);
-        tapedeck_engine::fixture::build(&spec, &path).unwrap();
-        let gpu = Engine::load_with(
-            &path,
-            &EngineOptions {
-                threads: None,
-                device: Device::Cuda(0),
-            },
-        )
-        .unwrap();
+        let gpu = build_on_gpu(dir.path(), &spec);
         let mut r = rng();
         let p = tokens(&gpu, r.random_range(300..420), &mut r);
         let forced = tokens(&gpu, 90, &mut r);
