@@ -39,6 +39,14 @@
 #define DA_WARPS 4
 #define DA_THREADS 128
 #define DA_COMBINE_THREADS 256
+// 1: the mma kernels let a PDL-launched successor (the o projection's GEMV when it merges the
+// splits itself, or the combine kernel under pdl=all) launch only when their blocks are done with
+// the KV cache. Triggered at the start (0), the successor and, through its own early trigger, the
+// gate/up GEMV after it launch while attention still runs and stream tens of MB of weights ahead
+// of attention's latency-bound KV reads.
+#ifndef DA_TRIGGER_LATE
+#define DA_TRIGGER_LATE 1
+#endif
 
 namespace da {
 
@@ -48,6 +56,19 @@ __device__ __forceinline__ void pdl_start() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// The two halves of pdl_start, for a kernel that lets its dependents launch only once its own
+// memory traffic is done (see DA_TRIGGER_LATE).
+__device__ __forceinline__ void pdl_wait_only() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
@@ -552,7 +573,11 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
                                           float* partial_ml, int mbps, int nh, int nkv, int bs, int head_dim,
                                           int split_len, int max_splits, float scale, unsigned* done) {
   extern __shared__ __align__(16) unsigned char da_smem[];
+#if DA_TRIGGER_LATE
+  da::pdl_wait_only();
+#else
   da::pdl_start();
+#endif
   const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
   if (head_dim == 64)
     da::mma_impl<T, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh,
@@ -562,6 +587,9 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
                                 nh, nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split);
   else
     return;
+#if DA_TRIGGER_LATE
+  da::pdl_trigger();
+#endif
   if (!done || nkv <= 0 || nh % nkv != 0 || split_len <= 0) return;
   const int group = nh / nkv;
   const int len = context_lens[seq];

@@ -183,6 +183,13 @@ extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
 // the same order, so only the summation order differs from the cuBLAS path.
 #define GEMV_MAX_ROWS 4
 #define GEMV_WARPS 8
+// 1: the GEMV and gate/up kernels may run on a grid smaller than their rows (the host's
+// TAPEDECK_GEMV_GRID blocks per SM), each block looping over row groups with the next weights in
+// flight; it leaves SM room for the next kernel's blocks to launch early (PDL) and prefetch theirs.
+// 0: one block per group of GEMV_WARPS rows, the loop compiled out (fewer registers).
+#ifndef GEMV_PERSIST
+#define GEMV_PERSIST 0
+#endif
 
 __device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
@@ -252,7 +259,8 @@ template <int N, bool XF32>
 __device__ __forceinline__ void gemv_row(const bf16_t* w, const uint4 pre[GEMV_PRE],
                                          const void* x, int in, int k0, int len, int lane,
                                          float acc[N]) {
-    constexpr int U = N <= 2 ? 8 : 4;
+    // A persistent grid holds the next row's prefetched chunks too: fewer loads in flight here.
+    constexpr int U = GEMV_PERSIST ? 2 : N <= 2 ? 8 : 4;
 #pragma unroll
     for (int r = 0; r < N; r++) acc[r] = 0.0f;
     const uint4* wr = (const uint4*)w;
@@ -333,11 +341,27 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
     return xs;
 }
 
+// The input of the plain GEMV entry points, made ready once the previous kernel is done: x as
+// given (bf16 bits, or f32 when x_f32), or with norm_w the f32 residual stream normalized into
+// shared memory (gemv_norm_prologue). Other inputs (decode_fused.cu: attention splits merged on
+// the fly) are other types with the same call.
+struct GemvInput {
+    const void* x;
+    int x_f32;
+    const float* norm_w;
+    float eps;
+    // Where the kernel reads its n rows of `in` inputs, and whether they are f32.
+    __device__ __forceinline__ const void* operator()(int n, int in, int* f32) const {
+        *f32 = norm_w ? 0 : x_f32;
+        return norm_w ? gemv_norm_prologue((const float*)x, norm_w, eps, n, in) : x;
+    }
+};
+
 // y_j (n, out_j) = x (n, in) · W_jᵀ (+ b_j) for up to three bf16 matrices W_j (out_j, in) that
 // share the input (out_j = 0 for an unused one); with add != 0, y_j += instead (the residual
-// stream). x: bf16 bits; or f32 when x_f32 (rounded to bf16 as it is read); or with norm_w, f32
-// normalized first (gemv_norm_prologue). One entry point per row count n = N (gemv_bf16_N), so
-// that each gets the registers it needs and no more. May be launched with PDL.
+// stream). x comes from `input` after the PDL wait (GemvInput: bf16 bits; f32 rounded to bf16 as it
+// is read; or the normalized residual stream). One entry point per row count n = N (gemv_bf16_N),
+// so that each gets the registers it needs and no more. May be launched with PDL.
 //
 // `splits` warps (1, 2, 4 or 8, dividing GEMV_WARPS; in % (8 * splits) == 0) share one output
 // feature, each reading an equal slice of its row: a long row (the down projection's 8192 inputs)
@@ -346,9 +370,8 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
 // Only for N <= 2: with 3-4 rows the split measured slower (H200), so those entry points ignore
 // `splits` and compile to the one-warp-per-feature code alone.
 // grid (ceil((out_0 + out_1 + out_2) * splits / GEMV_WARPS)), block 32 * GEMV_WARPS.
-template <int N>
-__device__ __forceinline__ void gemv_kernel(const void* x, int x_f32, const float* norm_w,
-                                            float eps, int in, int splits, int add,
+template <int N, typename Input>
+__device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int add,
                                             const bf16_t* w0, const float* b0, float* y0,
                                             int out0, const bf16_t* w1, const float* b1,
                                             float* y1, int out1, const bf16_t* w2,
@@ -356,49 +379,78 @@ __device__ __forceinline__ void gemv_kernel(const void* x, int x_f32, const floa
     __shared__ float slice_sums[GEMV_WARPS][GEMV_MAX_ROWS];
     if (N > 2) splits = 1;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int row = blockIdx.x * (GEMV_WARPS / splits) + warp / splits;
-    int part = warp % splits;
+    int per_block = GEMV_WARPS / splits, part = warp % splits;
     int len = in / splits, k0 = part * len;
-    const bf16_t* w = w0;
-    const float* b = b0;
-    float* y = y0;
-    int out = out0;
-    if (row >= out0) {
-        row -= out0, w = w1, b = b1, y = y1, out = out1;
-        if (row >= out1) row -= out1, w = w2, b = b2, y = y2, out = out2;
-    }
-    bool live = row < out;
-    const bf16_t* wr = w + (live ? (size_t)row * in + k0 : 0);
+    // Output feature `row` of the concatenated matrices: its matrix, bias, output and row in it.
+    struct Target {
+        const bf16_t* w;
+        const float* b;
+        float* y;
+        int out, row;
+        bool live;
+    };
+    auto target = [&](int row) {
+        Target t{w0, b0, y0, out0, row, false};
+        if (row >= out0) {
+            t = Target{w1, b1, y1, out1, row - out0, false};
+            if (t.row >= out1) t = Target{w2, b2, y2, out2, t.row - out1, false};
+        }
+        t.live = t.row < t.out;
+        return t;
+    };
+    auto weights = [&](const Target& t) { return t.w + (t.live ? (size_t)t.row * in + k0 : 0); };
+    int group = blockIdx.x;
+    Target cur = target(group * per_block + warp / splits);
     uint4 pre[GEMV_PRE];
-    gemv_prefetch(wr, len, lane, live, pre);
+    gemv_prefetch(weights(cur), len, lane, cur.live, pre);
     pdl_launch_dependents();
     pdl_wait();
-    if (norm_w) {
-        x = gemv_norm_prologue((const float*)x, norm_w, eps, N, in);
-        x_f32 = 0;
-    }
-    float acc[N];
+    int x_f32;
+    const void* x = input(N, in, &x_f32);
+    // A persistent grid (GEMV_PERSIST, grid smaller than the row groups) loops over the groups,
+    // block by block, with the next group's weights in flight while this one's are summed.
+    for (;;) {
+#if GEMV_PERSIST
+        int next_group = group + gridDim.x;
+        bool more = next_group * per_block < out0 + out1 + out2;  // the same for the whole block
+        Target next = target(next_group * per_block + warp / splits);
+        uint4 pre_next[GEMV_PRE];
+        gemv_prefetch(weights(next), len, lane, more && next.live, pre_next);
+#endif
+        float acc[N];
 #pragma unroll
-    for (int r = 0; r < N; r++) acc[r] = 0.0f;
-    if (live) {
-        if (x_f32)
-            gemv_row<N, true>(wr, pre, x, in, k0, len, lane, acc);
-        else
-            gemv_row<N, false>(wr, pre, x, in, k0, len, lane, acc);
-    }
-    if (splits > 1) {
-        if (lane == 0) {
-#pragma unroll
-            for (int r = 0; r < N; r++) slice_sums[warp][r] = acc[r];
+        for (int r = 0; r < N; r++) acc[r] = 0.0f;
+        if (cur.live) {
+            if (x_f32)
+                gemv_row<N, true>(weights(cur), pre, x, in, k0, len, lane, acc);
+            else
+                gemv_row<N, false>(weights(cur), pre, x, in, k0, len, lane, acc);
         }
-        __syncthreads();
-        if (part != 0) return;
+        if (splits > 1) {
+            if (lane == 0) {
 #pragma unroll
-        for (int r = 0; r < N; r++) {
-            for (int s = 1; s < splits; s++) acc[r] += slice_sums[warp + s][r];
+                for (int r = 0; r < N; r++) slice_sums[warp][r] = acc[r];
+            }
+            __syncthreads();
+            if (part == 0) {
+#pragma unroll
+                for (int r = 0; r < N; r++) {
+                    for (int s = 1; s < splits; s++) acc[r] += slice_sums[warp + s][r];
+                }
+            }
         }
+        if (part == 0 && cur.live) gemv_store<N>(acc, cur.b, cur.y, cur.out, cur.row, add, lane);
+#if GEMV_PERSIST
+        if (!more) break;
+        if (splits > 1) __syncthreads();  // slice_sums is written again
+        group = next_group;
+        cur = next;
+#pragma unroll
+        for (int u = 0; u < GEMV_PRE; u++) pre[u] = pre_next[u];
+#else
+        break;
+#endif
     }
-    if (live) gemv_store<N>(acc, b, y, out, row, add, lane);
 }
 
 #define GEMV_PARAMS                                                                              \
@@ -407,7 +459,9 @@ __device__ __forceinline__ void gemv_kernel(const void* x, int x_f32, const floa
         const bf16_t *w0, const float *b0, float *y0, int out0, const bf16_t *w1,               \
         const float *b1, float *y1, int out1, const bf16_t *w2, const float *b2, float *y2,     \
         int out2
-#define GEMV_ARGS x, x_f32, norm_w, eps, in, splits, add, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, y2, out2
+#define GEMV_ARGS                                                                                \
+    GemvInput{x, x_f32, norm_w, eps}, in, splits, add, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, \
+        y2, out2
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_1(GEMV_PARAMS) {
     gemv_kernel<1>(GEMV_ARGS);
 }
@@ -439,18 +493,6 @@ __device__ __forceinline__ void swiglu_store(const float g[N], const float u[N],
     }
 }
 
-template <int N>
-__device__ __forceinline__ void swiglu_feature(const bf16_t* wg, const uint4 pre_g[GEMV_PRE],
-                                               const float* bg, const bf16_t* wu,
-                                               const uint4 pre_u[GEMV_PRE], const float* bu,
-                                               bf16_t* out, int inter, int row, const void* x,
-                                               int in, int lane) {
-    float g[N], u[N];
-    gemv_row<N, false>(wg + (size_t)row * in, pre_g, x, in, 0, in, lane, g);
-    gemv_row<N, false>(wu + (size_t)row * in, pre_u, x, in, 0, in, lane, u);
-    swiglu_store<N>(g, u, bg, bu, out, inter, row, lane);
-}
-
 // out (n, inter) = bf16(silu(x · Wgᵀ (+ bg)) * (x · Wuᵀ (+ bu))): the gate and up projections
 // and the SiLU·up product in one pass, the product rounded to bf16 (the down projection's input).
 // x as for gemv_bf16 but bf16 bits or the normalized residual stream only (x_f32 must be 0: the
@@ -471,8 +513,19 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     pdl_launch_dependents();
     pdl_wait();
     if (norm_w) x = gemv_norm_prologue((const float*)x, norm_w, eps, N, in);
-    if (!live) return;
-    swiglu_feature<N>(wg, pre_g, bg, wu, pre_u, bu, out, inter, row, x, in, lane);
+    // A persistent grid (GEMV_PERSIST) loops over features: each projection's next row is
+    // requested as soon as this one's prefetched chunks are consumed.
+    for (int stride = gridDim.x * GEMV_WARPS; live; row += stride) {
+        int next = row + stride;
+        bool more = GEMV_PERSIST && next < inter;
+        float g[N], u[N];
+        gemv_row<N, false>(wg + (size_t)row * in, pre_g, x, in, 0, in, lane, g);
+        if (more) gemv_prefetch(wg + (size_t)next * in, in, lane, true, pre_g);
+        gemv_row<N, false>(wu + (size_t)row * in, pre_u, x, in, 0, in, lane, u);
+        if (more) gemv_prefetch(wu + (size_t)next * in, in, lane, true, pre_u);
+        swiglu_store<N>(g, u, bg, bu, out, inter, row, lane);
+        if (!more) break;
+    }
 }
 
 #define SWIGLU_PARAMS                                                                            \
@@ -503,6 +556,16 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_4
 // row of a graph pass, which writes nothing to the pool.
 // grid (n, heads + kv_heads): one block per query head, then per KV head; block = hd rounded up to
 // 32 (hd ≤ 256).
+// Dimensions (i, i + hd/2) of one head at position pos rotated by the angle pos * inv_freq[i]
+// (rotate-half RoPE): shared by rope_kv_write and the fused q/k/v kernel, so both round alike.
+__device__ __forceinline__ void rope_rotate(float a, float b, int pos, float inv_freq, float* lo,
+                                            float* hi) {
+    float s, c;
+    sincosf((float)pos * inv_freq, &s, &c);
+    *lo = a * c - b * s;
+    *hi = b * c + a * s;
+}
+
 // The work of block (t, h) of rope_kv_write, by threads 0..hd-1 of the block (the others, and
 // every thread of a block wider than rope_kv_write's, compute nothing and write nothing): shared
 // with the persistent decode kernel (decode_step.cu), which writes rotated queries to q_out (the
@@ -518,13 +581,7 @@ __device__ __forceinline__ void rope_kv_head(float* q, float* q_out, float* k, f
     int kvh = h - heads;
     float* row = is_q ? q + ((size_t)t * heads + h) * hd : k + ((size_t)t * kv_heads + kvh) * hd;
     float lo = 0.0f, hi = 0.0f;
-    if (d < half) {
-        float s, c;
-        sincosf((float)pos[t] * inv_freq[d], &s, &c);
-        float a = row[d], b = row[d + half];
-        lo = a * c - b * s;
-        hi = b * c + a * s;
-    }
+    if (d < half) rope_rotate(row[d], row[d + half], pos[t], inv_freq[d], &lo, &hi);
     if (is_q) {
         if (d < half) {
             float* orow = q_out + ((size_t)t * heads + h) * hd;
@@ -574,6 +631,92 @@ extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_
     pdl_wait();
     rope_kv_head(q, q, k, v, k_pool, v_pool, pos, inv_freq, slots, heads, kv_heads, hd, mode,
                  blockIdx.x, blockIdx.y);
+}
+
+// The q/k/v projections with RoPE and the KV write in their epilogue (`fuse=on`): what gemv_bf16_N
+// over (q, k, v) followed by rope_kv_write computes, the same arithmetic in the same order, so the
+// same bits, in one launch instead of two. A warp owns the rotary pair of rows (i, i + hd/2) of one
+// head of q, k or v (v's pairs are not rotated, only stored), so the rotation has both of its
+// inputs in registers. KV storage modes 0 (f32) and 1 (bf16) only: FP8's per-head scale needs the
+// whole head, so that mode keeps the separate rope_kv_write. x: bf16 bits, or with norm_w the f32
+// residual stream normalized first (x_f32 must be 0, as for the gate/up kernel). Writes q (rotated), k (rotated, rounded) and v (rounded) like
+// rope_kv_write, and the pool rows at slots[t] (none for slot -1). May be launched with PDL.
+// grid (ceil((heads + 2 kv_heads) * hd / 2 / GEMV_WARPS)), block 32 * GEMV_WARPS.
+template <int N>
+__device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm_w, float eps,
+                                                int in, const bf16_t* wq, const float* bq,
+                                                const bf16_t* wk, const float* bk,
+                                                const bf16_t* wv, const float* bv, float* q,
+                                                float* k, float* v, float* k_pool, float* v_pool,
+                                                const int* pos, const float* inv_freq,
+                                                const int* slots, int heads, int kv_heads, int hd,
+                                                int mode) {
+    int lane = threadIdx.x & 31, half = hd / 2;
+    int pair = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    int h = pair / half, i = pair % half;
+    bool live = h < heads + 2 * kv_heads;
+    // which: 0 q, 1 k, 2 v; hh: the head within its matrix.
+    int which = h < heads ? 0 : h < heads + kv_heads ? 1 : 2;
+    int hh = which == 0 ? h : which == 1 ? h - heads : h - heads - kv_heads;
+    const bf16_t* w = which == 0 ? wq : which == 1 ? wk : wv;
+    const float* b = which == 0 ? bq : which == 1 ? bk : bv;
+    int r0 = hh * hd + i, r1 = r0 + half;
+    const bf16_t* w0 = w + (live ? (size_t)r0 * in : 0);
+    const bf16_t* w1 = w + (live ? (size_t)r1 * in : 0);
+    uint4 pre0[GEMV_PRE], pre1[GEMV_PRE];
+    gemv_prefetch(w0, in, lane, live, pre0);
+    gemv_prefetch(w1, in, lane, live, pre1);
+    pdl_launch_dependents();
+    pdl_wait();
+    if (norm_w) x = gemv_norm_prologue((const float*)x, norm_w, eps, N, in);
+    if (!live) return;
+    float s0[N], s1[N];
+    gemv_row<N, false>(w0, pre0, x, in, 0, in, lane, s0);
+    gemv_row<N, false>(w1, pre1, x, in, 0, in, lane, s1);
+    int nheads = which == 0 ? heads : kv_heads;
+    float* y = which == 0 ? q : which == 1 ? k : v;
+    float* pool = which == 1 ? k_pool : v_pool;
+#pragma unroll
+    for (int r = 0; r < N; r++) {
+        if (lane != r) continue;
+        // gemv_store's epilogue, then rope_kv_head's.
+        float a = b ? s0[r] + b[r0] : s0[r];
+        float c = b ? s1[r] + b[r1] : s1[r];
+        if (which < 2) rope_rotate(a, c, pos[r], inv_freq[i], &a, &c);
+        if (which > 0 && mode == 1) {
+            a = round_bf16(a);
+            c = round_bf16(c);
+        }
+        size_t at = ((size_t)r * nheads + hh) * hd;
+        y[at + i] = a;
+        y[at + i + half] = c;
+        if (which == 0 || slots[r] < 0) continue;
+        size_t dst = ((size_t)slots[r] * kv_heads + hh) * hd;
+        pool[dst + i] = a;
+        pool[dst + i + half] = c;
+    }
+}
+
+#define QKV_ROPE_PARAMS                                                                          \
+    const void *x, int x_f32, const float *norm_w, float eps, int n, int in, const bf16_t *wq, \
+        const float *bq,                                                                        \
+        const bf16_t *wk, const float *bk, const bf16_t *wv, const float *bv, float *q,         \
+        float *k, float *v, float *k_pool, float *v_pool, const int *pos,                       \
+        const float *inv_freq, const int *slots, int heads, int kv_heads, int hd, int mode
+#define QKV_ROPE_ARGS                                                                            \
+    x, norm_w, eps, in, wq, bq, wk, bk, wv, bv, q, k, v, k_pool, v_pool, pos, inv_freq, slots,  \
+        heads, kv_heads, hd, mode
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_1(QKV_ROPE_PARAMS) {
+    qkv_rope_kernel<1>(QKV_ROPE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_2(QKV_ROPE_PARAMS) {
+    qkv_rope_kernel<2>(QKV_ROPE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_3(QKV_ROPE_PARAMS) {
+    qkv_rope_kernel<3>(QKV_ROPE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_4(QKV_ROPE_PARAMS) {
+    qkv_rope_kernel<4>(QKV_ROPE_ARGS);
 }
 
 // Per token of the batch, what attention needs (one int array, see cuda/mod.rs `Meta`):

@@ -132,6 +132,13 @@ pub struct Toggles {
     /// Same arithmetic as the separate kernels, so the same bits; a barrier bug would race
     /// silently, hence a toggle.
     pub megakernel: bool,
+    /// Decode-step kernel fusions on the GEMV path (GPU, `small_gemm=gemv`): the q/k/v GEMV
+    /// applies RoPE and writes the KV cache in its epilogue (f32 or bf16 KV), and the o GEMV
+    /// merges the mma decode kernel's splits as it reads them, two launches fewer per layer (and
+    /// the head's GEMV does the final RMSNorm, one fewer per step). Same
+    /// arithmetic as the separate kernels, so the same bits; a fusion bug (a stale KV row, a
+    /// merge read before the splits land) corrupts silently, hence a toggle.
+    pub fuse: bool,
     /// Prompt-encoding fault.
     pub fault_encoding: EncodingFault,
     /// Context-window fault: silently drop the oldest non-system turns until the prompt fits in N
@@ -161,6 +168,7 @@ impl Default for Toggles {
             small_gemm: SmallGemm::Cublas,
             pdl: Pdl::Off,
             megakernel: false,
+            fuse: false,
             fault_encoding: EncodingFault::Off,
             fault_context_window: None,
             prefill_chunk: None,
@@ -242,6 +250,13 @@ pub const REGISTRY: &[ToggleSpec] = &[
         default: "off",
         description:
             "batch-1 decode step as one persistent kernel with grid barriers (GPU, gemv + mma-bf16)",
+    },
+    ToggleSpec {
+        name: "fuse",
+        values: "off | on",
+        default: "off",
+        description:
+            "decode GEMVs absorb RoPE + KV write (q/k/v) and the split merge (o): 2 launches fewer per layer (GPU)",
     },
     ToggleSpec {
         name: "prefill_chunk",
@@ -374,6 +389,7 @@ impl Toggles {
                 }
             }
             "megakernel" => self.megakernel = parse_on_off(name, value, "on")?,
+            "fuse" => self.fuse = parse_on_off(name, value, "on")?,
             "fault.encoding" => {
                 self.fault_encoding = match value {
                     "off" => EncodingFault::Off,
@@ -429,6 +445,7 @@ impl Toggles {
             }
             .to_string(),
             "megakernel" => on_off(self.megakernel, "on"),
+            "fuse" => on_off(self.fuse, "on"),
             "fault.encoding" => match self.fault_encoding {
                 EncodingFault::Off => "off",
                 EncodingFault::DropThinkingAlways => "drop_thinking_always",
@@ -574,7 +591,7 @@ mod tests {
     fn text_form_round_trips_every_toggle() {
         let s =
             "matmul=bf16,attn_scores=bf16,kv_dtype=fp8-e4m3,attn_decode=mma-bf16,decode_topk=64,\
-                 cuda_graphs=on,small_gemm=gemv,pdl=all,megakernel=on,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
+                 cuda_graphs=on,small_gemm=gemv,pdl=all,megakernel=on,fuse=on,prefill_chunk=7,prefix_cache=off,fault.encoding=drop_thinking_always,\
                  fault.context_window=512,fault.prefix_cache=stale,fault.chunk=boundary";
         let t: Toggles = s.parse().unwrap();
         assert_eq!(t.to_string(), s);

@@ -982,6 +982,181 @@ fn cuda_megakernel_is_bit_identical_to_the_separate_kernels() {
     }
 }
 
+/// Logit rows of `prompts.len()` sequences decoded together: each prompt prefilled (one pass),
+/// then one pass per step with every sequence's next token of `steps` as a decode row, so the
+/// decode kernels see several rows. Rows: per step, per sequence.
+fn batched_decode(
+    e: &Engine,
+    prompts: &[Vec<u32>],
+    steps: &[Vec<u32>],
+    toggles: &Toggles,
+) -> Vec<Vec<f32>> {
+    let bs = 16;
+    let need: Vec<usize> = prompts
+        .iter()
+        .zip(steps)
+        .map(|(p, s)| (p.len() + s.len()).div_ceil(bs))
+        .collect();
+    let mut pool = e.backend().new_pool(bs, need.iter().sum()).unwrap();
+    let mut next = 0u32;
+    let mut tables: Vec<BlockTable> = need
+        .iter()
+        .map(|&n| {
+            let mut t = BlockTable::default();
+            t.blocks.extend(next..next + n as u32);
+            next += n as u32;
+            t
+        })
+        .collect();
+    fn seg<'a>(
+        tokens: &'a [u32],
+        table: &'a mut BlockTable,
+        decode: bool,
+        want: WantLogits,
+    ) -> Segment<'a> {
+        Segment {
+            tokens,
+            table,
+            decode,
+            want,
+            fault_chunk_boundary: false,
+        }
+    }
+    let mut segs: Vec<Segment> = prompts
+        .iter()
+        .zip(tables.iter_mut())
+        .map(|(p, t)| seg(p.as_slice(), t, false, WantLogits::None))
+        .collect();
+    e.backend().forward(&mut pool, &mut segs, toggles).unwrap();
+    let mut rows = Vec::new();
+    for j in 0..steps[0].len() {
+        let mut segs: Vec<Segment> = steps
+            .iter()
+            .zip(tables.iter_mut())
+            .map(|(s, t)| seg(std::slice::from_ref(&s[j]), t, true, WantLogits::Last))
+            .collect();
+        for l in e.backend().forward(&mut pool, &mut segs, toggles).unwrap() {
+            rows.push(l.into_rows().unwrap());
+        }
+    }
+    rows
+}
+
+#[test]
+fn cuda_fused_decode_kernels_are_bit_identical_to_the_separate_ones() {
+    // `fuse=on`: the q/k/v GEMV applies RoPE and writes the KV cache in its epilogue, and the o
+    // GEMV merges the mma kernel's splits as it reads them. Same arithmetic in the same order as
+    // the separate kernels, so every bit must agree: teacher-forced logprobs of one sequence
+    // (head_dim 64 with GQA 8/2; head_dim 128 with q/k/v biases) under f32, bf16 and FP8 KV (FP8
+    // keeps the separate RoPE kernel, the merge still fuses), graphs and PDL; then whole logit
+    // rows of 2 and 3 sequences decoded together (the kernels' multi-row entry points). Contexts
+    // of 300-420 positions span 3-4 splits of the mma kernel, so the merge has work. The fusion
+    // counters prove both fusions ran.
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = tapedeck_engine::fixture::FixtureSpec::tiny_llama();
+    a.name = "fuse-hd64".into();
+    (a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim) = (256, 8, 2, Some(64));
+    a.num_layers = 2;
+    let mut b = tapedeck_engine::fixture::FixtureSpec::tiny_qwen2();
+    b.name = "fuse-hd128-bias".into();
+    (b.hidden_size, b.num_heads, b.num_kv_heads, b.head_dim) = (512, 4, 1, Some(128));
+    b.num_layers = 2;
+    let base = "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv";
+    let same_bits = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .map(|v| v.to_bits())
+            .eq(y.iter().map(|v| v.to_bits()))
+    };
+    for spec in [a, b] {
+        let gpu = build_on_gpu(dir.path(), &spec);
+        let mut r = rng();
+        let p = tokens(&gpu, r.random_range(300..420), &mut r);
+        let forced = tokens(&gpu, 60, &mut r);
+        let all = [p.clone(), forced].concat();
+        let score = |t: &str| {
+            let t: Toggles = t.parse().unwrap();
+            gpu.score_with(
+                &all,
+                p.len(),
+                4,
+                &t,
+                tapedeck_engine::engine::ScoreMode::Decode,
+            )
+            .unwrap()
+        };
+        for extra in [
+            "",
+            ",cuda_graphs=on",
+            ",kv_dtype=bf16",
+            ",kv_dtype=fp8-e4m3",
+            ",pdl=all",
+            ",pdl=on,cuda_graphs=on,kv_dtype=bf16",
+        ] {
+            let plain = score(&format!("{base}{extra}"));
+            let (rope0, merge0) = tapedeck_engine::cuda::fused_layers();
+            let fused = score(&format!("{base}{extra},fuse=on"));
+            let (rope1, merge1) = tapedeck_engine::cuda::fused_layers();
+            let same = plain.iter().zip(&fused).all(|(a, b)| {
+                a.logprob.to_bits() == b.logprob.to_bits()
+                    && a.top.iter().map(|t| t.0).eq(b.top.iter().map(|t| t.0))
+            });
+            let worst = plain
+                .iter()
+                .zip(&fused)
+                .map(|(a, b)| (a.logprob - b.logprob).abs())
+                .fold(0.0f32, f32::max);
+            let (rope, merge) = (rope1 - rope0, merge1 - merge0);
+            println!(
+                "{} [{base}{extra}] fuse=on: {rope} layers with RoPE fused, {merge} with the merge \
+                 fused; identical: {same} (worst |Δ logprob| {worst:e})",
+                spec.name
+            );
+            assert!(merge >= 2, "{}{extra}: the merge never fused", spec.name);
+            if extra.contains("fp8") {
+                assert_eq!(rope, 0, "{}: FP8 KV must keep the RoPE kernel", spec.name);
+            } else {
+                assert!(rope >= 2, "{}{extra}: RoPE never fused", spec.name);
+            }
+            assert!(
+                same,
+                "{} [{base}{extra}]: fuse=on changed the logprobs",
+                spec.name
+            );
+        }
+        for (n, kv) in [(2, ""), (3, ",kv_dtype=bf16")] {
+            let prompts: Vec<Vec<u32>> = (0..n)
+                .map(|_| tokens(&gpu, r.random_range(150..420), &mut r))
+                .collect();
+            let steps: Vec<Vec<u32>> = (0..n).map(|_| tokens(&gpu, 5, &mut r)).collect();
+            let t = |f: &str| format!("{base}{kv}{f}").parse::<Toggles>().unwrap();
+            let plain = batched_decode(&gpu, &prompts, &steps, &t(""));
+            let (_, merge0) = tapedeck_engine::cuda::fused_layers();
+            let fused = batched_decode(&gpu, &prompts, &steps, &t(",fuse=on"));
+            let (_, merge1) = tapedeck_engine::cuda::fused_layers();
+            let same = plain.iter().zip(&fused).all(|(x, y)| same_bits(x, y));
+            println!(
+                "{} {n} sequences{kv}: fuse=on identical: {same}, worst rel L2 {:e}",
+                spec.name,
+                worst(&fused, &plain)
+            );
+            assert!(
+                merge1 - merge0 >= 2,
+                "{}: the batched merge never fused",
+                spec.name
+            );
+            assert!(
+                same,
+                "{} {n} sequences{kv}: fuse=on changed the logits",
+                spec.name
+            );
+        }
+    }
+}
+
 #[test]
 fn cuda_llama_1b_logits_match_the_cpu_engine() {
     // Full-model check on the Llama-3.2-1B-shaped random bf16 model (16 layers, hidden 2048,

@@ -47,6 +47,10 @@ pub const ENGINE: KernelSource = KernelSource {
         "gemv_bf16_swiglu_2",
         "gemv_bf16_swiglu_3",
         "gemv_bf16_swiglu_4",
+        "gemv_bf16_qkv_rope_1",
+        "gemv_bf16_qkv_rope_2",
+        "gemv_bf16_qkv_rope_3",
+        "gemv_bf16_qkv_rope_4",
         "attention",
         "attention_scores",
         "topk_mask",
@@ -105,8 +109,27 @@ pub const DECODE_STEP: KernelSource = KernelSource {
     entry_points: &["decode_step", "grid_sync_bench"],
 };
 
+/// The o projection that merges the mma decode kernel's splits as it reads them (`fuse=on`):
+/// `kernels/decode_fused.cu` after the engine's and the mma decode kernels' sources, whose GEMV
+/// and split-merge device functions it combines (so the module also holds their entry points,
+/// unused from here).
+pub const FUSED: KernelSource = KernelSource {
+    name: "decode_fused.cu",
+    code: concat!(
+        include_str!("../../../kernels/engine.cu"),
+        include_str!("../../../kernels/decode_attention_mma.cu"),
+        include_str!("../../../kernels/decode_fused.cu")
+    ),
+    entry_points: &[
+        "gemv_bf16_merged_1",
+        "gemv_bf16_merged_2",
+        "gemv_bf16_merged_3",
+        "gemv_bf16_merged_4",
+    ],
+};
+
 /// Every kernel source shipped (what the portability test compiles for each architecture).
-pub const ALL: &[KernelSource] = &[ENGINE, DECODE_MMA, PREFILL, DECODE_STEP];
+pub const ALL: &[KernelSource] = &[ENGINE, DECODE_MMA, PREFILL, DECODE_STEP, FUSED];
 
 /// The virtual architecture for a compute capability, e.g. `(9, 0)` → `compute_90`.
 pub fn virtual_arch(major: i32, minor: i32) -> String {

@@ -203,19 +203,60 @@ enum GemvIn {
     /// The f32 residual stream `(n, in)`, RMS-normalized with weights `w` and `eps` by each
     /// block into shared memory first (fits when `n · in · 2 ≤ GEMV_NORM_SMEM`).
     Normed { x: u64, w: u64, eps: f32 },
+    /// The attention output of an mma decode pass, merged from the split partials by each block
+    /// into shared memory (`fuse=on`; fits when `n · in · 2 ≤ GEMV_NORM_SMEM`).
+    Merged(MergedSplits),
+}
+
+/// Where the o projection's fused split merge reads (the mma decode pass's buffers and split
+/// geometry; see `kernels/decode_fused.cu`).
+#[derive(Debug, Clone, Copy)]
+struct MergedSplits {
+    att: u64,
+    partial_out: u64,
+    partial_ml: u64,
+    ctx: u64,
+    heads: usize,
+    head_dim: usize,
+    split_len: usize,
+    max_splits: usize,
+}
+
+/// Most splits the o GEMV merges itself: every one of its blocks reads all rows' partials, so
+/// past a few splits (long contexts) the combine kernel, which reads them once, is cheaper.
+const FUSED_MERGE_MAX_SPLITS: usize = 8;
+
+impl MergedSplits {
+    /// Dynamic shared memory of the merging GEMV over `n` rows of `inp` inputs: the merged rows
+    /// in bf16, then the split weights and their sums in f32.
+    fn smem(&self, n: usize, inp: usize) -> usize {
+        n * inp * 2 + 4 * n * self.heads * (self.max_splits + 1)
+    }
 }
 
 /// Dynamic shared memory the GEMV kernels' fused RMSNorm may use (the default per-block limit).
 const GEMV_NORM_SMEM: usize = 48 << 10;
 
 impl GemvIn {
-    /// Appends the kernels' input arguments `(x, [x_f32,] norm_w, eps)`; returns the dynamic
-    /// shared memory the launch needs.
+    /// Appends the kernels' input arguments: `(x, x_f32, norm_w, eps)`, or for `Merged` the
+    /// merge's `(att, partial_out, partial_ml, ctx, heads, head_dim, split_len, max_splits)`;
+    /// returns the dynamic shared memory the launch needs.
     fn args(self, a: Args, n: usize, inp: usize) -> (Args, usize) {
         match self {
             GemvIn::Bf16(x) => (a.p(x).i(0).p(0).f(0.0), 0),
             GemvIn::F32(x) => (a.p(x).i(1).p(0).f(0.0), 0),
             GemvIn::Normed { x, w, eps } => (a.p(x).i(0).p(w).f(eps), n * inp * 2),
+            GemvIn::Merged(m) => (
+                a.p(m.att)
+                    .p(m.partial_out)
+                    .p(m.partial_ml)
+                    .p(m.ctx)
+                    .i(m.heads)
+                    .i(m.head_dim)
+                    .i(m.split_len)
+                    .i(m.max_splits),
+                m.smem(n, inp),
+            ),
         }
     }
 }
@@ -223,6 +264,24 @@ impl GemvIn {
 /// The device address of a layer's bias, 0 for none (what the kernels take).
 fn bias(l: &DevLinear) -> u64 {
     l.b.as_ref().map_or(0, |b| b.ptr)
+}
+
+/// What RoPE and the KV write of one layer need: `rope_kv_write`'s arguments, for the fused
+/// q/k/v kernel.
+struct RopeArgs {
+    q: u64,
+    k: u64,
+    v: u64,
+    k_pool: u64,
+    v_pool: u64,
+    pos: u64,
+    inv_freq: u64,
+    slots: u64,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    kv_mode: usize,
+    pdl: bool,
 }
 
 /// A linear layer on the device: f32 weights for `matmul=f32`, bf16 bits for `matmul=bf16`.
@@ -292,6 +351,10 @@ struct Kernels {
     /// The GEMV kernels for 1..=GEMV_MAX_ROWS rows (index rows - 1).
     gemv: Vec<CudaFunction>,
     gemv_swiglu: Vec<CudaFunction>,
+    /// q/k/v with RoPE and the KV write in the epilogue, and the o projection that merges the
+    /// mma kernel's splits as it reads them (`fuse=on`), per row count like `gemv`.
+    gemv_qkv_rope: Vec<CudaFunction>,
+    gemv_merged: Vec<CudaFunction>,
     attention: CudaFunction,
     attention_scores: CudaFunction,
     topk_mask: CudaFunction,
@@ -346,6 +409,12 @@ impl Kernels {
         let module = load_module(ctx, &kernels::ENGINE, arch)?;
         let f = |name: &str| load_function(&module, name);
         let mma = load_module(ctx, &kernels::DECODE_MMA, arch)?;
+        let fused = load_module(ctx, &kernels::FUSED, arch)?;
+        let rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str| {
+            (1..=GEMV_MAX_ROWS)
+                .map(|n| load_function(m, &format!("{stem}_{n}")))
+                .collect::<Result<Vec<_>>>()
+        };
         let prefill = match head_dim {
             32 | 64 | 128 => Some(load_with_smem(
                 &load_module(ctx, &kernels::PREFILL, arch)?,
@@ -366,12 +435,10 @@ impl Kernels {
             add_inplace: f("add_inplace")?,
             add_bias: f("add_bias")?,
             f32_to_bf16: f("f32_to_bf16")?,
-            gemv: (1..=GEMV_MAX_ROWS)
-                .map(|n| f(&format!("gemv_bf16_{n}")))
-                .collect::<Result<_>>()?,
-            gemv_swiglu: (1..=GEMV_MAX_ROWS)
-                .map(|n| f(&format!("gemv_bf16_swiglu_{n}")))
-                .collect::<Result<_>>()?,
+            gemv: rows(&module, "gemv_bf16")?,
+            gemv_swiglu: rows(&module, "gemv_bf16_swiglu")?,
+            gemv_qkv_rope: rows(&module, "gemv_bf16_qkv_rope")?,
+            gemv_merged: rows(&fused, "gemv_bf16_merged")?,
             attention: f("attention")?,
             attention_scores: f("attention_scores")?,
             topk_mask: f("topk_mask")?,
@@ -691,6 +758,21 @@ pub fn persistent_steps() -> u64 {
     PERSISTENT_STEPS.load(Ordering::Relaxed)
 }
 
+/// Layers recorded with RoPE + KV write fused into the q/k/v GEMV, and with the split merge fused
+/// into the o GEMV (`fuse=on`), in this process: so a test can tell that each fusion took effect.
+static FUSED_ROPE: AtomicU64 = AtomicU64::new(0);
+static FUSED_MERGE: AtomicU64 = AtomicU64::new(0);
+
+/// How many layers were recorded so far with the fused q/k/v + RoPE kernel and with the fused
+/// split merge (see [`Toggles::fuse`]); a graph replay records nothing, so counts only captures
+/// and eager passes.
+pub fn fused_layers() -> (u64, u64) {
+    (
+        FUSED_ROPE.load(Ordering::Relaxed),
+        FUSED_MERGE.load(Ordering::Relaxed),
+    )
+}
+
 /// A hash of the KV pool's buffer addresses: what graphs and the decode-step kernel's layer
 /// table baked in.
 fn kv_key(kv: &DeviceKv) -> u64 {
@@ -987,8 +1069,19 @@ impl Gpu {
         let splits = gemv_splits(inp, n, tune::get().gemv_slice);
         let (a, smem) = x.args(Args::new(), n, inp);
         let mut a = a.i(n).i(inp).i(splits).i(usize::from(add));
+        // The merging entry point takes one matrix; the others up to three.
+        let (kernels, max_mats) = match x {
+            GemvIn::Merged(_) => (&self.k.gemv_merged, 1),
+            _ => (&self.k.gemv, 3),
+        };
+        if mats.len() > max_mats {
+            return Err(Error::Device(format!(
+                "this GEMV takes at most {max_mats} matrices, not {}",
+                mats.len()
+            )));
+        }
         let mut total = 0;
-        for j in 0..3 {
+        for j in 0..max_mats {
             a = match mats.get(j) {
                 Some((l, y)) => {
                     total += l.out;
@@ -999,8 +1092,8 @@ impl Gpu {
         }
         a.launch_pdl(
             &self.stream,
-            gemv_for(&self.k.gemv, n)?,
-            ((total * splits).div_ceil(GEMV_WARPS), 1, 1),
+            gemv_for(kernels, n)?,
+            (self.gemv_grid((total * splits).div_ceil(GEMV_WARPS)), 1, 1),
             32 * GEMV_WARPS,
             smem,
             pdl && self.pdl_capable,
@@ -1035,10 +1128,56 @@ impl Gpu {
             .launch_pdl(
                 &self.stream,
                 gemv_for(&self.k.gemv_swiglu, n)?,
-                (gate.out.div_ceil(GEMV_WARPS), 1, 1),
+                (self.gemv_grid(gate.out.div_ceil(GEMV_WARPS)), 1, 1),
                 32 * GEMV_WARPS,
                 smem,
                 pdl && self.pdl_capable,
+            )
+    }
+
+    /// Blocks of a GEMV launch over `groups` row groups: one per group, or at most
+    /// `TAPEDECK_GEMV_GRID` per SM (the kernels then loop, see cuda/tune.rs).
+    fn gemv_grid(&self, groups: usize) -> usize {
+        match tune::get().gemv_grid {
+            0 => groups,
+            k => groups.min(k * self.sms),
+        }
+    }
+
+    /// The q/k/v projections of `n` rows with RoPE and the KV write in their epilogue (`fuse=on`,
+    /// KV modes 0 and 1): what `gemv` over q, k and v followed by `rope_kv_write` computes, in one
+    /// launch. `x` is bf16 or the normalized residual stream.
+    fn qkv_rope(&self, layer: &DevLayer, x: GemvIn, n: usize, rope: &RopeArgs) -> Result<()> {
+        if matches!(x, GemvIn::F32(_) | GemvIn::Merged(_)) || rope.kv_mode > 1 {
+            return Err(Error::Device(
+                "the fused q/k/v kernel takes bf16 or normalized input and f32 or bf16 KV".into(),
+            ));
+        }
+        let (a, smem) = x.args(Args::new(), n, layer.q.inp);
+        let mut a = a.i(n).i(layer.q.inp);
+        for l in [&layer.q, &layer.k, &layer.v] {
+            a = a.p(l.w_bf16.ptr).p(bias(l));
+        }
+        let (heads, kv_heads, hd) = (rope.heads, rope.kv_heads, rope.head_dim);
+        a.p(rope.q)
+            .p(rope.k)
+            .p(rope.v)
+            .p(rope.k_pool)
+            .p(rope.v_pool)
+            .p(rope.pos)
+            .p(rope.inv_freq)
+            .p(rope.slots)
+            .i(heads)
+            .i(kv_heads)
+            .i(hd)
+            .i(rope.kv_mode)
+            .launch_pdl(
+                &self.stream,
+                gemv_for(&self.k.gemv_qkv_rope, n)?,
+                (((heads + 2 * kv_heads) * hd / 2).div_ceil(GEMV_WARPS), 1, 1),
+                32 * GEMV_WARPS,
+                smem,
+                rope.pdl && self.pdl_capable,
             )
     }
 
@@ -1203,6 +1342,10 @@ struct Pass {
     /// So are the other kernels of a decode step (`pdl=all`): RoPE + KV write, the mma decode
     /// kernel and its merge, the final RMSNorm and the picks.
     pdl_all: bool,
+    /// Kernel fusions on the GEMV path (`fuse=on`, those `TAPEDECK_FUSE` selects): RoPE + KV
+    /// write in the q/k/v GEMV, the split merge in the o GEMV, the final norm in the head (each
+    /// where its conditions hold, see `record`).
+    fuse: tune::Fusions,
     /// The logit rows are the pass's rows in order: the head reads the hidden states in place.
     logits_in_place: bool,
     logits: u64,
@@ -1463,6 +1606,11 @@ impl Inner {
             linears,
             pdl: toggles.pdl != Pdl::Off,
             pdl_all: toggles.pdl == Pdl::All && self.gpu.pdl_capable,
+            fuse: if toggles.fuse && linears != Linears::Cublas {
+                tune::get().fuse
+            } else {
+                tune::Fusions::NONE
+            },
             logits_in_place,
             logits,
             pick,
@@ -1581,9 +1729,31 @@ impl Inner {
             })
         };
         let (gemv, pdl) = (pass.linears != Linears::Cublas, pass.pdl);
+        // FP8 KV scales each head by its amax: that mode keeps the separate RoPE + KV kernel.
+        let rope_fused = pass.fuse.rope && pass.kv_mode <= 1;
         for (li, layer) in self.layers.iter().enumerate() {
             let qkv = [(&layer.q, q), (&layer.k, k), (&layer.v, v)];
-            if gemv {
+            let (kp, vp) = (kv.k[li].ptr, kv.v[li].ptr);
+            if rope_fused {
+                let rope = RopeArgs {
+                    q,
+                    k,
+                    v,
+                    k_pool: kp,
+                    v_pool: vp,
+                    pos: mi(meta.pos),
+                    inv_freq: self.inv_freq.ptr,
+                    slots: mi(meta.slots),
+                    heads: nh,
+                    kv_heads: nkv,
+                    head_dim: hd,
+                    kv_mode: pass.kv_mode,
+                    pdl,
+                };
+                self.gpu
+                    .qkv_rope(layer, gemv_normed(layer.attn_norm.ptr)?, n, &rope)?;
+                FUSED_ROPE.fetch_add(1, Ordering::Relaxed);
+            } else if gemv {
                 self.gpu
                     .gemv(&qkv, gemv_normed(layer.attn_norm.ptr)?, n, false, pdl)?;
             } else {
@@ -1592,28 +1762,31 @@ impl Inner {
                     self.gpu.linear(l, xin, n, y, pm)?;
                 }
             }
-            let (kp, vp) = (kv.k[li].ptr, kv.v[li].ptr);
-            Args::new()
-                .p(q)
-                .p(k)
-                .p(v)
-                .p(kp)
-                .p(vp)
-                .p(mi(meta.pos))
-                .p(self.inv_freq.ptr)
-                .p(mi(meta.slots))
-                .i(nh)
-                .i(nkv)
-                .i(hd)
-                .i(pass.kv_mode)
-                .launch_pdl(
-                    s,
-                    &kn.rope_kv_write,
-                    (n, nh + nkv, 1),
-                    hd.div_ceil(32) * 32,
-                    0,
-                    early,
-                )?;
+            // The o projection's input: the attention output, or (fused) the mma kernel's splits.
+            let mut o_in = GemvIn::F32(att);
+            if !rope_fused {
+                Args::new()
+                    .p(q)
+                    .p(k)
+                    .p(v)
+                    .p(kp)
+                    .p(vp)
+                    .p(mi(meta.pos))
+                    .p(self.inv_freq.ptr)
+                    .p(mi(meta.slots))
+                    .i(nh)
+                    .i(nkv)
+                    .i(hd)
+                    .i(pass.kv_mode)
+                    .launch_pdl(
+                        s,
+                        &kn.rope_kv_write,
+                        (n, nh + nkv, 1),
+                        hd.div_ceil(32) * 32,
+                        0,
+                        early,
+                    )?;
+            }
             // The arguments the SIMT attention kernels share: where each token's context is, and
             // the head shapes.
             let context = |a: Args, rows: u64| {
@@ -1697,7 +1870,27 @@ impl Inner {
                         kernels::DECODE_MMA_SMEM,
                         early,
                     )?;
-                if m.done == 0 {
+                let merged = MergedSplits {
+                    att: m.o_dec,
+                    partial_out: m.partial_out,
+                    partial_ml: m.partial_ml,
+                    ctx: mi(meta.decode_ctx),
+                    heads: nh,
+                    head_dim: hd,
+                    split_len: m.split_len,
+                    max_splits: m.max_splits,
+                };
+                // The o GEMV merges the splits itself when every row is a decode row in order
+                // and the merged rows fit its shared memory.
+                if pass.fuse.merge
+                    && m.done == 0
+                    && !m.gather
+                    && m.max_splits <= FUSED_MERGE_MAX_SPLITS
+                    && merged.smem(n, q_dim) <= GEMV_NORM_SMEM
+                {
+                    o_in = GemvIn::Merged(merged);
+                    FUSED_MERGE.fetch_add(1, Ordering::Relaxed);
+                } else if m.done == 0 {
                     Args::new()
                         .p(m.o_dec)
                         .p(m.partial_out)
@@ -1724,8 +1917,7 @@ impl Inner {
             }
             if gemv {
                 // x += o(att), then x += down(silu(gate(xn)) · up(xn)): three launches.
-                self.gpu
-                    .gemv(&[(&layer.o, x)], GemvIn::F32(att), n, true, pdl)?;
+                self.gpu.gemv(&[(&layer.o, x)], o_in, n, true, pdl)?;
                 let xin = gemv_normed(layer.mlp_norm.ptr)?;
                 self.gpu.swiglu(&layer.gate, &layer.up, xin, n, act, pdl)?;
                 self.gpu
@@ -1777,6 +1969,17 @@ impl Inner {
             )?;
             tmp
         };
+        if pass.fuse.head && pass.linears == Linears::GemvFusedNorm {
+            // The final RMSNorm inside the head's GEMV, as before q/k/v and gate/up.
+            let normed = GemvIn::Normed {
+                x: rows_in,
+                w: self.norm.ptr,
+                eps: cfg.rms_norm_eps,
+            };
+            self.gpu
+                .gemv(&[(&self.head, pass.logits)], normed, r, false, pdl)?;
+            return self.record_picks(pass);
+        }
         let hin = norm_pdl(rows_in, self.norm.ptr, r, early)?;
         if gemv {
             self.gpu.gemv(

@@ -17,8 +17,57 @@
 //!   block per KV head instead of in the separate combine kernel (`kernel`, the default). The
 //!   same bits either way; in-kernel measured slower (llama-1b batch-1 decode on the H200: 724
 //!   against 852 tok/s, cause not established).
+//! - `TAPEDECK_GEMV_GRID=K`: run the GEMV and gate/up kernels on at most K blocks per SM (1-8),
+//!   each looping over its rows with the next row's weights in flight (compiled with
+//!   `GEMV_PERSIST=1`), instead of one block per 8 rows (0, the default). A one-wave grid lets the
+//!   next kernel's blocks launch at once (PDL) and prefetch their weights beside it.
+//! - `TAPEDECK_FUSE=rope,merge,head`: which fusions `fuse=on` applies (default `rope,merge`):
+//!   RoPE + KV write in the q/k/v GEMV, the split merge in the o GEMV, the final RMSNorm in the
+//!   head's GEMV. All give the same bits; the knob times each one.
 
 use std::sync::OnceLock;
+
+/// Which kernel fusions `fuse=on` applies (see `TAPEDECK_FUSE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Fusions {
+    /// RoPE and the KV write in the q/k/v GEMV's epilogue.
+    pub rope: bool,
+    /// The mma kernel's split merge in the o GEMV's prologue.
+    pub merge: bool,
+    /// The final RMSNorm in the head GEMV's prologue.
+    pub head: bool,
+}
+
+impl Fusions {
+    /// No fusion (`fuse=off`).
+    pub const NONE: Fusions = Fusions {
+        rope: false,
+        merge: false,
+        head: false,
+    };
+    /// What `fuse=on` applies unless `TAPEDECK_FUSE` says otherwise.
+    const DEFAULT: Fusions = Fusions {
+        rope: true,
+        merge: true,
+        head: false,
+    };
+
+    fn parse(list: Option<&str>) -> Fusions {
+        let Some(list) = list else {
+            return Fusions::DEFAULT;
+        };
+        let mut f = Fusions::NONE;
+        for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            match part {
+                "rope" => f.rope = true,
+                "merge" => f.merge = true,
+                "head" => f.head = true,
+                other => tracing::warn!("TAPEDECK_FUSE: ignoring {other:?} (rope, merge, head)"),
+            }
+        }
+        f
+    }
+}
 
 /// The knobs in effect for this process.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +76,10 @@ pub(crate) struct Tuning {
     pub nvrtc_defines: Vec<String>,
     /// The mma decode kernel's shortest split, in positions.
     pub split_min: usize,
+    /// The fusions of `fuse=on`.
+    pub fuse: Fusions,
+    /// Blocks per SM of the GEMV kernels' persistent grid, 0 for one block per row group.
+    pub gemv_grid: usize,
     /// The GEMV kernels' longest slice per warp, in inputs.
     pub gemv_slice: usize,
     /// Whether the mma decode kernel merges its own splits (else the combine kernel runs, the
@@ -41,13 +94,22 @@ pub(crate) struct Tuning {
 const SPLIT_MIN: usize = 128;
 
 impl Tuning {
-    /// Parses the variables' values (`None` when unset).
-    fn parse(
-        defines: Option<&str>,
-        split_min: Option<&str>,
-        gemv_slice: Option<&str>,
-        merge: Option<&str>,
-    ) -> Tuning {
+    /// The knobs from `var` (the environment, or a test's map).
+    fn parse(var: impl Fn(&str) -> Option<String>) -> Tuning {
+        let (defines, split_min, gemv_slice, merge, grid) = (
+            var("TAPEDECK_NVRTC_DEFINES"),
+            var("TAPEDECK_MMA_SPLIT_MIN"),
+            var("TAPEDECK_GEMV_SLICE"),
+            var("TAPEDECK_MMA_MERGE"),
+            var("TAPEDECK_GEMV_GRID"),
+        );
+        let fuse = Fusions::parse(var("TAPEDECK_FUSE").as_deref());
+        let (defines, split_min, gemv_slice, merge) = (
+            defines.as_deref(),
+            split_min.as_deref(),
+            gemv_slice.as_deref(),
+            merge.as_deref(),
+        );
         let mut nvrtc_defines = Vec::new();
         for d in defines
             .unwrap_or("")
@@ -82,6 +144,16 @@ impl Tuning {
             |n| [256, 512, 1024, 2048].contains(&n),
             "256, 512, 1024 or 2048",
         );
+        let gemv_grid = number(
+            "TAPEDECK_GEMV_GRID",
+            grid.as_deref(),
+            0,
+            |n| n <= 8,
+            "0 to 8 blocks per SM",
+        );
+        if gemv_grid > 0 {
+            nvrtc_defines.push("-DGEMV_PERSIST=1".into());
+        }
         let mma_merge_in_kernel = match merge.map(str::trim) {
             None | Some("kernel") => false,
             Some("in-kernel") => true,
@@ -93,6 +165,8 @@ impl Tuning {
         Tuning {
             nvrtc_defines,
             split_min,
+            fuse,
+            gemv_grid,
             gemv_slice,
             mma_merge_in_kernel,
         }
@@ -121,46 +195,53 @@ fn number(
 /// The process's knobs (the environment is read on first use).
 pub(crate) fn get() -> &'static Tuning {
     static T: OnceLock<Tuning> = OnceLock::new();
-    T.get_or_init(|| {
-        let defines = std::env::var("TAPEDECK_NVRTC_DEFINES").ok();
-        let split = std::env::var("TAPEDECK_MMA_SPLIT_MIN").ok();
-        let slice = std::env::var("TAPEDECK_GEMV_SLICE").ok();
-        let merge = std::env::var("TAPEDECK_MMA_MERGE").ok();
-        Tuning::parse(
-            defines.as_deref(),
-            split.as_deref(),
-            slice.as_deref(),
-            merge.as_deref(),
-        )
-    })
+    T.get_or_init(|| Tuning::parse(|name| std::env::var(name).ok()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn parse(vars: &[(&str, &str)]) -> Tuning {
+        Tuning::parse(|name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
     #[test]
     fn unset_knobs_keep_the_defaults_and_bad_values_are_ignored() {
         assert_eq!(
-            Tuning::parse(None, None, None, None),
+            parse(&[]),
             Tuning {
                 nvrtc_defines: vec![],
                 split_min: 128,
+                fuse: Fusions::DEFAULT,
+                gemv_grid: 0,
                 gemv_slice: 2048,
                 mma_merge_in_kernel: false,
             }
         );
-        let t = Tuning::parse(
-            Some("MK_MIN_BLOCKS=1, X=2.5,bad,Y=a b,=3"),
-            Some("96"),
-            Some("100"),
-            Some("in-kernel"),
-        );
+        let t = parse(&[
+            ("TAPEDECK_NVRTC_DEFINES", "MK_MIN_BLOCKS=1, X=2.5,bad,Y=a b,=3"),
+            ("TAPEDECK_MMA_SPLIT_MIN", "96"),
+            ("TAPEDECK_GEMV_SLICE", "100"),
+            ("TAPEDECK_MMA_MERGE", "in-kernel"),
+            ("TAPEDECK_GEMV_GRID", "9"),
+        ]);
         assert_eq!(t.nvrtc_defines, ["-DMK_MIN_BLOCKS=1", "-DX=2.5"]);
         assert_eq!(t.split_min, 128, "96 is not a multiple of 64");
         assert_eq!(t.gemv_slice, 2048, "100 is not a slice length");
+        assert_eq!(t.gemv_grid, 0, "9 blocks per SM is out of range");
         assert!(t.mma_merge_in_kernel);
-        assert_eq!(Tuning::parse(None, Some("64"), None, None).split_min, 64);
-        assert_eq!(Tuning::parse(None, None, Some("512"), None).gemv_slice, 512);
+        assert_eq!(parse(&[("TAPEDECK_MMA_SPLIT_MIN", "64")]).split_min, 64);
+        assert_eq!(parse(&[("TAPEDECK_GEMV_SLICE", "512")]).gemv_slice, 512);
+        let grid = parse(&[("TAPEDECK_GEMV_GRID", "2")]);
+        assert_eq!(grid.gemv_grid, 2);
+        assert_eq!(grid.nvrtc_defines, ["-DGEMV_PERSIST=1"], "the loop is compiled in");
+        let f = parse(&[("TAPEDECK_FUSE", "head, rope,nonsense")]).fuse;
+        assert_eq!((f.rope, f.merge, f.head), (true, false, true));
+        assert_eq!(parse(&[("TAPEDECK_FUSE", "")]).fuse, Fusions::NONE);
     }
 }
