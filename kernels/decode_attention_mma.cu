@@ -33,6 +33,15 @@
 //   by its own sum); partial_ml [num_seqs][num_heads][max_splits][2] = (max, sum), the max in
 //   the log2 domain (score * scale * log2(e)).
 
+// Tracing hooks (kernels/trace.cu, which the engine puts in front of every module); a standalone
+// compile without it traces nothing.
+#ifndef TD_SCOPE
+#define TD_SCOPE(name)
+#define TD_WAITED() \
+  do {              \
+  } while (0)
+#endif
+
 #ifndef DA_SMEM_BYTES
 #define DA_SMEM_BYTES 65536
 #endif
@@ -57,6 +66,7 @@ __device__ __forceinline__ void pdl_start() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+  TD_WAITED();
 }
 
 // The two halves of pdl_start, for a kernel that lets its dependents launch only once its own
@@ -65,6 +75,7 @@ __device__ __forceinline__ void pdl_wait_only() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+  TD_WAITED();
 }
 __device__ __forceinline__ void pdl_trigger() {
 #if __CUDA_ARCH__ >= 900
@@ -612,6 +623,7 @@ decode_attn_mma_bf16kv(float* out, const float* q, const unsigned short* k_pool,
                        const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,
                        int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
                        int split_len, int max_splits, float scale, unsigned* done) {
+  TD_SCOPE("decode_attn_mma_bf16kv");
   mma_entry<unsigned short>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
                             max_blocks_per_seq, num_heads, num_kv_heads, block_size, head_dim, split_len, max_splits,
                             scale, done);
@@ -622,6 +634,7 @@ decode_attn_mma_f32kv(float* out, const float* q, const float* k_pool, const flo
                       const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,
                       int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
                       int split_len, int max_splits, float scale, unsigned* done) {
+  TD_SCOPE("decode_attn_mma_f32kv");
   mma_entry<float>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, max_blocks_per_seq,
                    num_heads, num_kv_heads, block_size, head_dim, split_len, max_splits, scale, done);
 }
@@ -629,6 +642,7 @@ decode_attn_mma_f32kv(float* out, const float* q, const float* k_pool, const flo
 extern "C" __global__ void __launch_bounds__(DA_COMBINE_THREADS)
 decode_attn_combine(float* out, const float* partial_out, const float* partial_ml, const int* context_lens,
                     int num_heads, int head_dim, int split_len, int max_splits) {
+  TD_SCOPE("decode_attn_combine");
   // Let the next kernel (the o projection's GEMV, launched with PDL) start fetching its weights;
   // wait for the mma kernel when this one was launched with PDL too (pdl=all).
   da::pdl_start();

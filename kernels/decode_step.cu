@@ -314,6 +314,7 @@ __device__ __forceinline__ void mk_attention(const MkParams& p, const MkLayer& L
 
 // The barrier alone, `iters` times: what one costs on this GPU (cuda::check::grid_barrier).
 extern "C" __global__ void grid_sync_bench(unsigned* bar, int iters) {
+    TD_SCOPE("grid_sync_bench");
     for (int i = 0; i < iters; i++) grid_sync(bar);
 }
 
@@ -326,6 +327,7 @@ extern "C" __global__ void grid_sync_bench(unsigned* bar, int iters) {
 #define MK_RUNS(bit) ((MK_PHASES) & (bit))
 
 extern "C" __global__ void __launch_bounds__(MK_THREADS, MK_MIN_BLOCKS) decode_step(MkParams p) {
+    TD_SCOPE("decode_step");
     extern __shared__ __align__(16) unsigned char mk_smem[];
     const int q_dim = p.heads * p.head_dim, kv_dim = p.kv_heads * p.head_dim;
     for (int l = 0; l < p.n_layers; l++) {

@@ -11,6 +11,15 @@
 // (num_blocks, block_size, kv_heads, head_dim) as f32 holding what the cache dtype would hold;
 // block tables (segments, max_blocks) as int.
 
+// Tracing hooks (kernels/trace.cu, which the engine puts in front of every module); a standalone
+// compile without it traces nothing.
+#ifndef TD_SCOPE
+#define TD_SCOPE(name)
+#define TD_WAITED() \
+    do {            \
+    } while (0)
+#endif
+
 typedef unsigned short bf16_t;
 
 #define NEG_INF (__uint_as_float(0xff800000u))
@@ -84,6 +93,7 @@ __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    TD_WAITED();
 }
 
 __device__ __forceinline__ void pdl_launch_dependents() {
@@ -95,6 +105,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // out (n, h) = table[ids[i]] rows. grid (n), block 256.
 extern "C" __global__ void embed_gather(float* out, const float* table, const unsigned int* ids,
                                         int h) {
+    TD_SCOPE("embed_gather");
     pdl_launch_dependents();
     const float* row = table + (size_t)ids[blockIdx.x] * h;
     float* o = out + (size_t)blockIdx.x * h;
@@ -126,6 +137,7 @@ __device__ __forceinline__ void rms_norm_row(float* out, bf16_t* out_bf16, const
 
 extern "C" __global__ void rms_norm(float* out, bf16_t* out_bf16, const float* x, const float* w,
                                     int d, float eps) {
+    TD_SCOPE("rms_norm");
     pdl_launch_dependents();
     pdl_wait();
     rms_norm_row(out, out_bf16, x, w, d, eps, blockIdx.x);
@@ -133,6 +145,7 @@ extern "C" __global__ void rms_norm(float* out, bf16_t* out_bf16, const float* x
 
 // out[rows[i]] = in[i], rows of `width` floats (the inverse of embed_gather). grid (n), block 256.
 extern "C" __global__ void scatter_rows(float* out, const float* in, const int* rows, int width) {
+    TD_SCOPE("scatter_rows");
     const float* src = in + (size_t)blockIdx.x * width;
     float* dst = out + (size_t)rows[blockIdx.x] * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
@@ -141,6 +154,7 @@ extern "C" __global__ void scatter_rows(float* out, const float* in, const int* 
 // gate = silu(gate) * up, element-wise; with out_bf16 != NULL the product goes there, rounded to
 // bf16, instead (the down projection's input for matmul=bf16).
 extern "C" __global__ void silu_mul(float* gate, bf16_t* out_bf16, const float* up, int n) {
+    TD_SCOPE("silu_mul");
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float g = gate[i];
@@ -155,18 +169,21 @@ extern "C" __global__ void silu_mul(float* gate, bf16_t* out_bf16, const float* 
 
 // x += y, element-wise (the residual stream).
 extern "C" __global__ void add_inplace(float* x, const float* y, int n) {
+    TD_SCOPE("add_inplace");
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
 
 // y (rows, cols) += bias (cols).
 extern "C" __global__ void add_bias(float* y, const float* bias, int rows, int cols) {
+    TD_SCOPE("add_bias");
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < (size_t)rows * cols) y[i] += bias[i % cols];
 }
 
 // out = bf16(in), round-to-nearest-even (GEMM inputs for matmul=bf16).
 extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
+    TD_SCOPE("f32_to_bf16");
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f32_to_bf16_bits(in[i]);
 }
@@ -463,15 +480,19 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     GemvInput{x, x_f32, norm_w, eps}, in, splits, add, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, \
         y2, out2
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_1(GEMV_PARAMS) {
+    TD_SCOPE("gemv_bf16_1");
     gemv_kernel<1>(GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_2(GEMV_PARAMS) {
+    TD_SCOPE("gemv_bf16_2");
     gemv_kernel<2>(GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_3(GEMV_PARAMS) {
+    TD_SCOPE("gemv_bf16_3");
     gemv_kernel<3>(GEMV_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_4(GEMV_PARAMS) {
+    TD_SCOPE("gemv_bf16_4");
     gemv_kernel<4>(GEMV_ARGS);
 }
 
@@ -533,15 +554,19 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
         const float *bg, const bf16_t *wu, const float *bu, bf16_t *out, int inter
 #define SWIGLU_ARGS x, norm_w, eps, in, wg, bg, wu, bu, out, inter
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_1(SWIGLU_PARAMS) {
+    TD_SCOPE("gemv_bf16_swiglu_1");
     swiglu_kernel<1>(SWIGLU_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_2(SWIGLU_PARAMS) {
+    TD_SCOPE("gemv_bf16_swiglu_2");
     swiglu_kernel<2>(SWIGLU_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_3(SWIGLU_PARAMS) {
+    TD_SCOPE("gemv_bf16_swiglu_3");
     swiglu_kernel<3>(SWIGLU_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_4(SWIGLU_PARAMS) {
+    TD_SCOPE("gemv_bf16_swiglu_4");
     swiglu_kernel<4>(SWIGLU_ARGS);
 }
 
@@ -627,6 +652,7 @@ extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_
                                          float* v_pool, const int* pos, const float* inv_freq,
                                          const int* slots, int heads, int kv_heads, int hd,
                                          int mode) {
+    TD_SCOPE("rope_kv_write");
     pdl_launch_dependents();
     pdl_wait();
     rope_kv_head(q, q, k, v, k_pool, v_pool, pos, inv_freq, slots, heads, kv_heads, hd, mode,
@@ -707,15 +733,19 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     x, norm_w, eps, in, wq, bq, wk, bk, wv, bv, q, k, v, k_pool, v_pool, pos, inv_freq, slots,  \
         heads, kv_heads, hd, mode
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_1(QKV_ROPE_PARAMS) {
+    TD_SCOPE("gemv_bf16_qkv_rope_1");
     qkv_rope_kernel<1>(QKV_ROPE_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_2(QKV_ROPE_PARAMS) {
+    TD_SCOPE("gemv_bf16_qkv_rope_2");
     qkv_rope_kernel<2>(QKV_ROPE_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_3(QKV_ROPE_PARAMS) {
+    TD_SCOPE("gemv_bf16_qkv_rope_3");
     qkv_rope_kernel<3>(QKV_ROPE_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_4(QKV_ROPE_PARAMS) {
+    TD_SCOPE("gemv_bf16_qkv_rope_4");
     qkv_rope_kernel<4>(QKV_ROPE_ARGS);
 }
 
@@ -744,6 +774,7 @@ extern "C" __global__ void attention(float* out, const float* q, const float* k_
                                      const int* rows, const float* scores, int scores_stride,
                                      int heads, int kv_heads, int hd, int bs, float scale,
                                      int bf16) {
+    TD_SCOPE("attention");
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_acc[ATT_WARPS][MAX_DPL * 32];
     int r = blockIdx.x, h = blockIdx.y;
@@ -837,6 +868,7 @@ extern "C" __global__ void attention_scores(float* scores, int scores_stride, co
                                             const int* hide, const int* rows, int heads,
                                             int kv_heads, int hd, int bs, float scale,
                                             int bf16) {
+    TD_SCOPE("attention_scores");
     int r = blockIdx.x, h = blockIdx.y;
     int t = rows[r];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -885,6 +917,7 @@ __device__ __forceinline__ unsigned int float_key(float f) {
 // token rows[r]. grid (rows, heads), block 256.
 extern "C" __global__ void topk_mask(float* scores, int scores_stride, const int* ctx,
                                      const int* rows, int heads, int top_k) {
+    TD_SCOPE("topk_mask");
     __shared__ unsigned int hist[256];
     __shared__ unsigned int s_prefix, s_need;
     __shared__ unsigned int s_scan[256];
@@ -1009,6 +1042,7 @@ __device__ double block_sum_f64(double v, double* shared32) {
 // chunks, k). grid (picks, chunks), block PICK_THREADS.
 extern "C" __global__ void pick_partial(const float* logits, int vocab, const int* rows, int k,
                                         double* stats, unsigned long long* top) {
+    TD_SCOPE("pick_partial");
     pdl_launch_dependents();
     pdl_wait();
     __shared__ unsigned long long s_u[32];
@@ -1077,6 +1111,7 @@ extern "C" __global__ void pick_finish(const float* logits, int vocab, const int
                                        const int* chosen, int k, int chunks,
                                        const double* stats, const unsigned long long* top,
                                        unsigned int* out) {
+    TD_SCOPE("pick_finish");
     pdl_launch_dependents();
     pdl_wait();
     __shared__ unsigned long long cand[PICK_MAX_CHUNKS * PICK_MAX_K];

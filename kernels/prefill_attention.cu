@@ -60,6 +60,15 @@
 // rules (wrong hd, block size, too little shared memory, heads % kv_heads != 0, a count out of
 // range) returns without writing anything, and never reads out of bounds.
 
+// Tracing hooks (kernels/trace.cu, which the engine puts in front of every module); a standalone
+// compile without it traces nothing.
+#ifndef TD_SCOPE
+#define TD_SCOPE(name)
+#define TD_WAITED() \
+  do {              \
+  } while (0)
+#endif
+
 #define PA_THREADS 256
 #define PA_ROWS 64
 #define PA_BN(hd) ((hd) <= 64 ? 64 : 32)
@@ -413,12 +422,15 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
                                heads, kv_heads, hd, bs, scale, bf16, pa_smem)
 
 extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_hd32(PA_ARGS) {
+    TD_SCOPE("prefill_attention_hd32");
     PA_CALL(32);
 }
 extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_hd64(PA_ARGS) {
+    TD_SCOPE("prefill_attention_hd64");
     PA_CALL(64);
 }
 extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_hd128(PA_ARGS) {
+    TD_SCOPE("prefill_attention_hd128");
     PA_CALL(128);
 }
 

@@ -160,6 +160,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
             decode.push((out.tokens.len() - 1) as f64 / d.max(1e-9));
         }
         let decode_rate = median(decode);
+        // The kernel timeline of these runs, when the backend records one (TAPEDECK_TRACE).
+        if let Some(said) = engine.backend().save_trace()? {
+            println!("trace: {said}");
+        }
         println!(
             "single sequence: prefill {:.0} tokens/s ({} tokens), decode {:.1} tokens/s ({} tokens), peak RSS {:.0} MiB",
             median(prefill),

@@ -95,6 +95,12 @@ pub trait Backend: Send + Sync {
     fn device_time(&self) -> Option<(std::time::Duration, u64)> {
         None
     }
+
+    /// Saves the kernel timeline recorded so far, where the backend records one (the CUDA
+    /// backend with `TAPEDECK_TRACE=path`), and says what it saved; `None` where there is none.
+    fn save_trace(&self) -> Result<Option<String>> {
+        Ok(None)
+    }
 }
 
 /// The CPU reference: [`Model::forward`] on a private rayon pool.

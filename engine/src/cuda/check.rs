@@ -333,7 +333,7 @@ pub fn copy_bandwidth(ordinal: usize, bytes: usize, reps: usize) -> Result<f64> 
 pub fn grid_barrier(ordinal: usize, iters: usize) -> Result<(usize, f64)> {
     let ctx = context(ordinal)?;
     let (arch, sms, _) = super::arch_and_sms(&ctx)?;
-    let mk = super::step::Megakernel::load(&ctx, &arch, sms, kernels::DECODE_MMA_SMEM, 1)?;
+    let mk = super::step::Megakernel::load(&ctx, &arch, sms, kernels::DECODE_MMA_SMEM, 1, None)?;
     let stream = ctx
         .new_stream()
         .map_err(|e| dev_err("creating a stream", e))?;

@@ -29,7 +29,10 @@ pub struct KernelSource {
 /// SIMT attention and the token picks.
 pub const ENGINE: KernelSource = KernelSource {
     name: "engine.cu",
-    code: include_str!("../../../kernels/engine.cu"),
+    code: concat!(
+        include_str!("../../../kernels/trace.cu"),
+        include_str!("../../../kernels/engine.cu")
+    ),
     entry_points: &[
         "embed_gather",
         "rms_norm",
@@ -63,7 +66,10 @@ pub const ENGINE: KernelSource = KernelSource {
 /// of a prompt chunk's tokens times the query heads of one KV head, K/V staged in shared memory.
 pub const PREFILL: KernelSource = KernelSource {
     name: "prefill_attention.cu",
-    code: include_str!("../../../kernels/prefill_attention.cu"),
+    code: concat!(
+        include_str!("../../../kernels/trace.cu"),
+        include_str!("../../../kernels/prefill_attention.cu")
+    ),
     entry_points: &[
         "prefill_attention_hd32",
         "prefill_attention_hd64",
@@ -85,7 +91,10 @@ pub fn prefill_smem(head_dim: usize) -> usize {
 /// `docs/cuda_decode_attention.md`.
 pub const DECODE_MMA: KernelSource = KernelSource {
     name: "decode_attention_mma.cu",
-    code: include_str!("../../../kernels/decode_attention_mma.cu"),
+    code: concat!(
+        include_str!("../../../kernels/trace.cu"),
+        include_str!("../../../kernels/decode_attention_mma.cu")
+    ),
     entry_points: &[
         "decode_attn_mma_bf16kv",
         "decode_attn_mma_f32kv",
@@ -102,6 +111,7 @@ pub const DECODE_MMA_SMEM: usize = 65536;
 pub const DECODE_STEP: KernelSource = KernelSource {
     name: "decode_step.cu",
     code: concat!(
+        include_str!("../../../kernels/trace.cu"),
         include_str!("../../../kernels/engine.cu"),
         include_str!("../../../kernels/decode_attention_mma.cu"),
         include_str!("../../../kernels/decode_step.cu")
@@ -116,6 +126,7 @@ pub const DECODE_STEP: KernelSource = KernelSource {
 pub const FUSED: KernelSource = KernelSource {
     name: "decode_fused.cu",
     code: concat!(
+        include_str!("../../../kernels/trace.cu"),
         include_str!("../../../kernels/engine.cu"),
         include_str!("../../../kernels/decode_attention_mma.cu"),
         include_str!("../../../kernels/decode_fused.cu")

@@ -17,6 +17,7 @@ pub mod check;
 pub mod kernels;
 mod meta;
 mod step;
+mod trace;
 mod tune;
 
 use std::ffi::c_void;
@@ -366,14 +367,20 @@ struct Kernels {
     prefill: Option<CudaFunction>,
 }
 
-/// A compiled kernel file on the device.
+/// A compiled kernel file on the device, pointed at the kernel timeline when tracing.
 fn load_module(
     ctx: &Arc<CudaContext>,
     src: &kernels::KernelSource,
     arch: &str,
+    trace: Option<(&trace::Trace, &Arc<CudaStream>)>,
 ) -> Result<Arc<cudarc::driver::CudaModule>> {
-    ctx.load_module(cudarc::nvrtc::Ptx::from_src(kernels::ptx(src, arch)?))
-        .map_err(|e| dev_err(&format!("loading kernels/{}", src.name), e))
+    let module = ctx
+        .load_module(cudarc::nvrtc::Ptx::from_src(kernels::ptx(src, arch)?))
+        .map_err(|e| dev_err(&format!("loading kernels/{}", src.name), e))?;
+    if let Some((t, stream)) = trace {
+        t.attach(&module, stream)?;
+    }
+    Ok(module)
 }
 
 /// An entry point of a loaded module.
@@ -405,11 +412,16 @@ fn load_with_smem(
 }
 
 impl Kernels {
-    fn load(ctx: &Arc<CudaContext>, arch: &str, head_dim: usize) -> Result<Self> {
-        let module = load_module(ctx, &kernels::ENGINE, arch)?;
+    fn load(
+        ctx: &Arc<CudaContext>,
+        arch: &str,
+        head_dim: usize,
+        trace: Option<(&trace::Trace, &Arc<CudaStream>)>,
+    ) -> Result<Self> {
+        let module = load_module(ctx, &kernels::ENGINE, arch, trace)?;
         let f = |name: &str| load_function(&module, name);
-        let mma = load_module(ctx, &kernels::DECODE_MMA, arch)?;
-        let fused = load_module(ctx, &kernels::FUSED, arch)?;
+        let mma = load_module(ctx, &kernels::DECODE_MMA, arch, trace)?;
+        let fused = load_module(ctx, &kernels::FUSED, arch, trace)?;
         let rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str| {
             (1..=GEMV_MAX_ROWS)
                 .map(|n| load_function(m, &format!("{stem}_{n}")))
@@ -417,7 +429,7 @@ impl Kernels {
         };
         let prefill = match head_dim {
             32 | 64 | 128 => Some(load_with_smem(
-                &load_module(ctx, &kernels::PREFILL, arch)?,
+                &load_module(ctx, &kernels::PREFILL, arch, trace)?,
                 &format!("prefill_attention_hd{head_dim}"),
                 kernels::prefill_smem(head_dim),
             )?),
@@ -822,6 +834,8 @@ struct Gpu {
     arch: String,
     /// The cuBLAS workspace (kept alive for the handle).
     _workspace: DevBuf,
+    /// The kernel timeline, when `TAPEDECK_TRACE` asks for one.
+    trace: Option<trace::Trace>,
 }
 
 /// The virtual architecture to compile kernels for (`compute_XY`), the multiprocessor count and
@@ -861,8 +875,13 @@ impl Gpu {
         }
         .result()
         .map_err(|e| dev_err("setting the cuBLAS workspace", e))?;
-        let k = Kernels::load(ctx, &arch, head_dim)?;
+        let trace = match &tune::get().trace {
+            Some(path) => Some(trace::Trace::new(ctx, path)?),
+            None => None,
+        };
+        let k = Kernels::load(ctx, &arch, head_dim, trace.as_ref().map(|t| (t, &stream)))?;
         let gpu = Gpu {
+            trace,
             stream,
             blas,
             k,
@@ -1317,6 +1336,22 @@ impl Backend for CudaBackend {
         let passes = self.passes.load(Ordering::Relaxed);
         Some((std::time::Duration::from_nanos(ns), passes))
     }
+
+    fn save_trace(&self) -> Result<Option<String>> {
+        let inner = self
+            .inner
+            .lock()
+            .map_err(|_| Error::Device("the CUDA backend's lock was poisoned".into()))?;
+        let Some(t) = &inner.gpu.trace else {
+            return Ok(None);
+        };
+        self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        let (saved, dropped) = t.write(&inner.gpu.stream)?;
+        Ok(Some(format!(
+            "{saved} kernel blocks traced to {} ({dropped} dropped for want of room)",
+            t.path().display()
+        )))
+    }
 }
 
 /// Everything one pass's launches read, fixed before the first of them: a captured graph
@@ -1521,7 +1556,10 @@ impl Inner {
                 let mk = match &mut self.mega {
                     Some(mk) => mk,
                     slot => {
-                        slot.insert(step::Megakernel::load(ctx, &self.gpu.arch, sms, smem, nkv)?)
+                        let trace = self.gpu.trace.as_ref().map(|t| (t, &self.gpu.stream));
+                        let mk =
+                            step::Megakernel::load(ctx, &self.gpu.arch, sms, smem, nkv, trace)?;
+                        slot.insert(mk)
                     }
                 };
                 let (table, rebuilt) = mk.table(ctx, &self.layers, kv, kv_key(kv))?;

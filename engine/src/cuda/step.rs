@@ -113,8 +113,9 @@ impl Megakernel {
         sms: usize,
         smem: usize,
         kv_heads: usize,
+        trace: Option<(&super::trace::Trace, &Arc<CudaStream>)>,
     ) -> Result<Self> {
-        let module = load_module(ctx, &kernels::DECODE_STEP, arch)?;
+        let module = load_module(ctx, &kernels::DECODE_STEP, arch, trace)?;
         let func = load_with_smem(&module, "decode_step", smem)?;
         let per_sm = func
             .occupancy_max_active_blocks_per_multiprocessor(THREADS as u32, smem, None)

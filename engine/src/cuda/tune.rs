@@ -24,6 +24,8 @@
 //! - `TAPEDECK_FUSE=rope,merge,head`: which fusions `fuse=on` applies (default `rope,merge`):
 //!   RoPE + KV write in the q/k/v GEMV, the split merge in the o GEMV, the final RMSNorm in the
 //!   head's GEMV. All give the same bits; the knob times each one.
+//! - `TAPEDECK_TRACE=path`: compile the kernels with `TD_TRACE=1` and record a per-block timeline
+//!   of every launch (cuda/trace.rs), saved to `path` as CSV by `bench engine`.
 
 use std::sync::OnceLock;
 
@@ -78,6 +80,8 @@ pub(crate) struct Tuning {
     pub split_min: usize,
     /// The fusions of `fuse=on`.
     pub fuse: Fusions,
+    /// Where to save the kernel timeline, when tracing.
+    pub trace: Option<std::path::PathBuf>,
     /// Blocks per SM of the GEMV kernels' persistent grid, 0 for one block per row group.
     pub gemv_grid: usize,
     /// The GEMV kernels' longest slice per warp, in inputs.
@@ -104,6 +108,9 @@ impl Tuning {
             var("TAPEDECK_GEMV_GRID"),
         );
         let fuse = Fusions::parse(var("TAPEDECK_FUSE").as_deref());
+        let trace = var("TAPEDECK_TRACE")
+            .filter(|p| !p.trim().is_empty())
+            .map(std::path::PathBuf::from);
         let (defines, split_min, gemv_slice, merge) = (
             defines.as_deref(),
             split_min.as_deref(),
@@ -154,6 +161,9 @@ impl Tuning {
         if gemv_grid > 0 {
             nvrtc_defines.push("-DGEMV_PERSIST=1".into());
         }
+        if trace.is_some() {
+            nvrtc_defines.push("-DTD_TRACE=1".into());
+        }
         let mma_merge_in_kernel = match merge.map(str::trim) {
             None | Some("kernel") => false,
             Some("in-kernel") => true,
@@ -166,6 +176,7 @@ impl Tuning {
             nvrtc_defines,
             split_min,
             fuse,
+            trace,
             gemv_grid,
             gemv_slice,
             mma_merge_in_kernel,
@@ -218,13 +229,17 @@ mod tests {
                 nvrtc_defines: vec![],
                 split_min: 128,
                 fuse: Fusions::DEFAULT,
+                trace: None,
                 gemv_grid: 0,
                 gemv_slice: 2048,
                 mma_merge_in_kernel: false,
             }
         );
         let t = parse(&[
-            ("TAPEDECK_NVRTC_DEFINES", "MK_MIN_BLOCKS=1, X=2.5,bad,Y=a b,=3"),
+            (
+                "TAPEDECK_NVRTC_DEFINES",
+                "MK_MIN_BLOCKS=1, X=2.5,bad,Y=a b,=3",
+            ),
             ("TAPEDECK_MMA_SPLIT_MIN", "96"),
             ("TAPEDECK_GEMV_SLICE", "100"),
             ("TAPEDECK_MMA_MERGE", "in-kernel"),
@@ -239,9 +254,19 @@ mod tests {
         assert_eq!(parse(&[("TAPEDECK_GEMV_SLICE", "512")]).gemv_slice, 512);
         let grid = parse(&[("TAPEDECK_GEMV_GRID", "2")]);
         assert_eq!(grid.gemv_grid, 2);
-        assert_eq!(grid.nvrtc_defines, ["-DGEMV_PERSIST=1"], "the loop is compiled in");
+        assert_eq!(
+            grid.nvrtc_defines,
+            ["-DGEMV_PERSIST=1"],
+            "the loop is compiled in"
+        );
         let f = parse(&[("TAPEDECK_FUSE", "head, rope,nonsense")]).fuse;
         assert_eq!((f.rope, f.merge, f.head), (true, false, true));
         assert_eq!(parse(&[("TAPEDECK_FUSE", "")]).fuse, Fusions::NONE);
+        let traced = parse(&[("TAPEDECK_TRACE", "/tmp/t.csv")]);
+        assert_eq!(
+            traced.trace.as_deref(),
+            Some(std::path::Path::new("/tmp/t.csv"))
+        );
+        assert_eq!(traced.nvrtc_defines, ["-DTD_TRACE=1"]);
     }
 }
