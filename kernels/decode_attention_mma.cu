@@ -37,9 +37,7 @@
 // compile without it traces nothing.
 #ifndef TD_SCOPE
 #define TD_SCOPE(name)
-#define TD_WAITED() \
-  do {              \
-  } while (0)
+#define TD_WAITED()
 #endif
 
 #ifndef DA_SMEM_BYTES

@@ -77,7 +77,5 @@ struct TdScope {
     } while (0)
 #else
 #define TD_SCOPE(name)
-#define TD_WAITED() \
-    do {            \
-    } while (0)
+#define TD_WAITED()
 #endif

@@ -818,6 +818,52 @@ fn r_token(seq: usize, vocab: usize) -> u32 {
     ((seq * 7919 + 65_537) % vocab) as u32
 }
 
+/// Teacher-forced logprobs (top 4 alternatives) of `all[from..]`, one decode step per token, under
+/// the toggles `t`.
+fn forced_decode(
+    e: &Engine,
+    all: &[u32],
+    from: usize,
+    t: &str,
+) -> Vec<tapedeck_engine::engine::TokenScore> {
+    let t: Toggles = t.parse().unwrap();
+    e.score_with(all, from, 4, &t, tapedeck_engine::engine::ScoreMode::Decode)
+        .unwrap()
+}
+
+/// Whether two teacher-forced runs have the same logprob bits and the same alternatives, and the
+/// largest logprob difference between them.
+fn same_scores(
+    a: &[tapedeck_engine::engine::TokenScore],
+    b: &[tapedeck_engine::engine::TokenScore],
+) -> (bool, f32) {
+    let same = a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.logprob.to_bits() == y.logprob.to_bits()
+                && x.top.iter().map(|t| t.0).eq(y.top.iter().map(|t| t.0))
+        });
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x.logprob - y.logprob).abs())
+        .fold(0.0f32, f32::max);
+    (same, worst)
+}
+
+/// The two decode shapes the bit-identity tests build: head_dim 64 with GQA 8/2 (a down
+/// projection split over 2 warps) and head_dim 128 with GQA 4/1 and q/k/v biases (split over 4).
+fn decode_shapes(prefix: &str) -> [tapedeck_engine::fixture::FixtureSpec; 2] {
+    let mut a = tapedeck_engine::fixture::FixtureSpec::tiny_llama();
+    a.name = format!("{prefix}-hd64");
+    (a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim) = (256, 8, 2, Some(64));
+    (a.num_layers, a.intermediate_size) = (2, 2560);
+    let mut b = tapedeck_engine::fixture::FixtureSpec::tiny_qwen2();
+    b.name = format!("{prefix}-hd128-bias");
+    (b.hidden_size, b.num_heads, b.num_kv_heads, b.head_dim) = (512, 4, 1, Some(128));
+    (b.num_layers, b.intermediate_size) = (2, 4608);
+    [a, b]
+}
+
 #[test]
 fn cuda_graphs_replay_what_eager_decode_computes() {
     // One sequence alone: a graph pass has the eager pass's shape (batch bucket 1), so the same
@@ -857,17 +903,7 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
         ("pdl=all", 0.0),
         ("attn_decode=mma-bf16", 1e-5),
     ] {
-        let score = |t: &str| {
-            let t: Toggles = t.parse().unwrap();
-            gpu.score_with(
-                &all,
-                p.len(),
-                4,
-                &t,
-                tapedeck_engine::engine::ScoreMode::Decode,
-            )
-            .unwrap()
-        };
+        let score = |t: &str| forced_decode(&gpu, &all, p.len(), t);
         let eager = score(toggles);
         let graphs = score(format!("{toggles},cuda_graphs=on").trim_start_matches(','));
         let worst = eager
@@ -895,11 +931,7 @@ fn cuda_graphs_replay_what_eager_decode_computes() {
                 .filter(|t| *t != speed_only)
                 .collect::<Vec<_>>()
                 .join(",");
-            let plain = score(&without);
-            let same = plain.iter().zip(&eager).all(|(a, b)| {
-                a.logprob.to_bits() == b.logprob.to_bits()
-                    && a.top.iter().map(|t| t.0).eq(b.top.iter().map(|t| t.0))
-            });
+            let (same, _) = same_scores(&score(&without), &eager);
             println!("{toggles:?}: identical to [{without}]: {same}");
             assert!(same, "{toggles}: {speed_only} changed the logprobs");
         }
@@ -923,46 +955,20 @@ fn cuda_megakernel_is_bit_identical_to_the_separate_kernels() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut a = tapedeck_engine::fixture::FixtureSpec::tiny_llama();
-    a.name = "mk-hd64".into();
-    (a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim) = (256, 8, 2, Some(64));
-    (a.num_layers, a.intermediate_size) = (2, 2560);
-    let mut b = tapedeck_engine::fixture::FixtureSpec::tiny_qwen2();
-    b.name = "mk-hd128-bias".into();
-    (b.hidden_size, b.num_heads, b.num_kv_heads, b.head_dim) = (512, 4, 1, Some(128));
-    (b.num_layers, b.intermediate_size) = (2, 4608);
-    for spec in [a, b] {
+    for spec in decode_shapes("mk") {
         let gpu = build_on_gpu(dir.path(), &spec);
         let mut r = rng();
         let p = tokens(&gpu, r.random_range(300..420), &mut r);
         let forced = tokens(&gpu, 90, &mut r);
         let all = [p.clone(), forced].concat();
-        let score = |t: &str| {
-            let t: Toggles = t.parse().unwrap();
-            gpu.score_with(
-                &all,
-                p.len(),
-                4,
-                &t,
-                tapedeck_engine::engine::ScoreMode::Decode,
-            )
-            .unwrap()
-        };
+        let score = |t: &str| forced_decode(&gpu, &all, p.len(), t);
         let base = "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv";
         for extra in ["", ",cuda_graphs=on", ",kv_dtype=fp8-e4m3", ",pdl=on"] {
             let plain = score(&format!("{base}{extra}"));
             let before = tapedeck_engine::cuda::persistent_steps();
             let mk = score(&format!("{base}{extra},megakernel=on"));
             let steps = tapedeck_engine::cuda::persistent_steps() - before;
-            let same = plain.iter().zip(&mk).all(|(a, b)| {
-                a.logprob.to_bits() == b.logprob.to_bits()
-                    && a.top.iter().map(|t| t.0).eq(b.top.iter().map(|t| t.0))
-            });
-            let worst = plain
-                .iter()
-                .zip(&mk)
-                .map(|(a, b)| (a.logprob - b.logprob).abs())
-                .fold(0.0f32, f32::max);
+            let (same, worst) = same_scores(&plain, &mk);
             println!(
                 "{} [{base}{extra}] megakernel: {steps} persistent steps, identical: {same} \
                  (worst |Δ logprob| {worst:e})",
@@ -1057,37 +1063,19 @@ fn cuda_fused_decode_kernels_are_bit_identical_to_the_separate_ones() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut a = tapedeck_engine::fixture::FixtureSpec::tiny_llama();
-    a.name = "fuse-hd64".into();
-    (a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim) = (256, 8, 2, Some(64));
-    a.num_layers = 2;
-    let mut b = tapedeck_engine::fixture::FixtureSpec::tiny_qwen2();
-    b.name = "fuse-hd128-bias".into();
-    (b.hidden_size, b.num_heads, b.num_kv_heads, b.head_dim) = (512, 4, 1, Some(128));
-    b.num_layers = 2;
     let base = "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv";
     let same_bits = |x: &[f32], y: &[f32]| {
         x.iter()
             .map(|v| v.to_bits())
             .eq(y.iter().map(|v| v.to_bits()))
     };
-    for spec in [a, b] {
+    for spec in decode_shapes("fuse") {
         let gpu = build_on_gpu(dir.path(), &spec);
         let mut r = rng();
         let p = tokens(&gpu, r.random_range(300..420), &mut r);
         let forced = tokens(&gpu, 60, &mut r);
         let all = [p.clone(), forced].concat();
-        let score = |t: &str| {
-            let t: Toggles = t.parse().unwrap();
-            gpu.score_with(
-                &all,
-                p.len(),
-                4,
-                &t,
-                tapedeck_engine::engine::ScoreMode::Decode,
-            )
-            .unwrap()
-        };
+        let score = |t: &str| forced_decode(&gpu, &all, p.len(), t);
         for extra in [
             "",
             ",cuda_graphs=on",
@@ -1100,15 +1088,7 @@ fn cuda_fused_decode_kernels_are_bit_identical_to_the_separate_ones() {
             let (rope0, merge0) = tapedeck_engine::cuda::fused_layers();
             let fused = score(&format!("{base}{extra},fuse=on"));
             let (rope1, merge1) = tapedeck_engine::cuda::fused_layers();
-            let same = plain.iter().zip(&fused).all(|(a, b)| {
-                a.logprob.to_bits() == b.logprob.to_bits()
-                    && a.top.iter().map(|t| t.0).eq(b.top.iter().map(|t| t.0))
-            });
-            let worst = plain
-                .iter()
-                .zip(&fused)
-                .map(|(a, b)| (a.logprob - b.logprob).abs())
-                .fold(0.0f32, f32::max);
+            let (same, worst) = same_scores(&plain, &fused);
             let (rope, merge) = (rope1 - rope0, merge1 - merge0);
             println!(
                 "{} [{base}{extra}] fuse=on: {rope} layers with RoPE fused, {merge} with the merge \
