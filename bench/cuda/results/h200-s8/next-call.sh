@@ -28,3 +28,5 @@ REPS=2 bash bench/cuda/sweep.sh "X=1 $B" "TAPEDECK_FUSE=rope $B,fuse=on" "TAPEDE
   "TAPEDECK_FUSE=rope,head $B,fuse=on" "TAPEDECK_MMA_MERGE=in-kernel $B" \
   "TAPEDECK_FUSE=rope+TAPEDECK_MMA_MERGE=in-kernel $B,fuse=on" \
   "TAPEDECK_FUSE=rope+TAPEDECK_MMA_MERGE=in-kernel+TAPEDECK_NVRTC_DEFINES=DA_TRIGGER_LATE=0 $B,fuse=on" | tee $OUT/sweep.md
+timeout 240 .device/test-cuda --test-threads=1 > $OUT/tests.log 2>&1; echo "all tests exit $?"
+grep -E "^test |test result|panicked" $OUT/tests.log | cut -c1-160 | head -30
