@@ -7,11 +7,17 @@
 // done by every GEMV block into shared memory, after the PDL wait and while its prefetched o
 // weights arrive: one launch fewer per layer, for a few KB of L2 reads per block.
 
+// Outputs one thread merges at a time (MergedSplits).
+#ifndef MERGE_GROUP
+#define MERGE_GROUP 8
+#endif
+
 // The o projection's input (see GemvInput in engine.cu): the n rows of attention output merged from
 // the splits as decode_attn_combine would write them, rounded to bf16 into shared memory. Dynamic
-// shared memory: n * in * 2 bytes of inputs, then n * num_heads * (max_splits + 1) floats of split
-// weights and weight sums. Every block merges all rows (it needs all of them), reading
-// n * in * splits partial values from L2: the host fuses the merge only for a few splits.
+// shared memory: n * in * 2 bytes of inputs, then n * num_heads * (3 * max_splits + 1) floats (split
+// weights, weight sums, and a copy of the splits' (max, sum) pairs). Every block merges all rows
+// (it needs all of them), reading n * in * splits partial values from L2: the host fuses the merge
+// only for a few splits.
 //
 // combine_head_t's arithmetic exactly, with its DA_COMBINE_THREADS-thread layout: the split weight
 // w_s = 2^(m_s - max m) * l_s; DA_COMBINE_THREADS / head_dim parts, part p summing w_s * O_s and
@@ -31,17 +37,26 @@ struct MergedSplits {
         return min((len + split_len - 1) / split_len, max_splits);
     }
 
+    // The merge is latency-bound (a few KB from L2 before the GEMV can start), so it is laid out to
+    // wait for memory as few times as possible: the split statistics are copied to shared memory in
+    // one round; then each thread takes MERGE_GROUP outputs at once, so that for every split the
+    // group's partial values are requested together.
     __device__ __forceinline__ const void* operator()(int n, int in, int* f32) const {
+        constexpr int G = MERGE_GROUP;
         extern __shared__ uint4 gemv_smem[];
         bf16_t* xs = (bf16_t*)gemv_smem;
-        float* wts = (float*)(xs + (size_t)n * in);  // (n, heads, max_splits)
-        float* wsum = wts + (size_t)n * num_heads * max_splits;  // (n, heads)
+        float* wts = (float*)(xs + (size_t)n * in);               // (n, heads, max_splits)
+        float* wsum = wts + (size_t)n * num_heads * max_splits;   // (n, heads)
+        float* mls = wsum + (size_t)n * num_heads;                // (n, heads, max_splits, 2)
         const int parts = DA_COMBINE_THREADS / head_dim;
+        for (int i = threadIdx.x; i < n * num_heads * max_splits * 2; i += blockDim.x)
+            mls[i] = partial_ml[i];
+        __syncthreads();
         // Split weights and their sum, once per (row, head).
         for (int rh = threadIdx.x; rh < n * num_heads; rh += blockDim.x) {
             const int ns = splits(rh / num_heads);
             if (ns <= 1) continue;
-            const float* ml = partial_ml + (size_t)rh * max_splits * 2;
+            const float* ml = mls + (size_t)rh * max_splits * 2;
             float M = da::neg_inf();
             for (int s = 0; s < ns; s++) M = fmaxf(M, ml[2 * s]);  // exact in any order
             float W = 0.f;
@@ -57,26 +72,48 @@ struct MergedSplits {
             wsum[rh] = W;
         }
         __syncthreads();
-        for (int e = threadIdx.x; e < n * in; e += blockDim.x) {
-            const int r = e / in, j = e % in;
-            const int rh = r * num_heads + j / head_dim, d = j % head_dim;
-            const int ns = splits(r);
-            float v = 0.f;
-            if (ns == 1) {
-                v = att[(size_t)rh * head_dim + d];
-            } else if (ns > 1) {
-                const float* po = partial_out + (size_t)rh * max_splits * head_dim + d;
-                const float* wt = wts + (size_t)rh * max_splits;
-                float A = 0.f;
-                for (int p = 0; p < parts; p++) {
-                    float acc = 0.f;
-#pragma unroll 4
-                    for (int s = p; s < ns; s += parts) acc += wt[s] * po[(size_t)s * head_dim];
-                    A += acc;
-                }
-                v = A / wsum[rh];
+        const int total = n * in;
+        for (int base = threadIdx.x; base < total; base += G * blockDim.x) {
+            int rh[G], d[G], ns[G], most = 0;
+            float A[G];
+#pragma unroll
+            for (int k = 0; k < G; k++) {
+                const int e = base + k * blockDim.x;
+                const int r = e < total ? e / in : 0, j = e < total ? e % in : 0;
+                rh[k] = r * num_heads + j / head_dim;
+                d[k] = j % head_dim;
+                ns[k] = e < total ? splits(r) : 0;
+                most = max(most, ns[k]);
+                A[k] = 0.f;
             }
-            xs[e] = f32_to_bf16_bits(v);
+            // Part p sums splits p, p + parts, ... in order; the parts are added in order.
+            for (int p = 0; most > 1 && p < parts; p++) {
+                float acc[G];
+#pragma unroll
+                for (int k = 0; k < G; k++) acc[k] = 0.f;
+                for (int s = p; s < most; s += parts) {
+#pragma unroll
+                    for (int k = 0; k < G; k++) {
+                        if (s < ns[k]) {
+                            const size_t at = (size_t)rh[k] * max_splits + s;
+                            acc[k] += wts[at] * partial_out[at * head_dim + d[k]];
+                        }
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < G; k++) A[k] += acc[k];
+            }
+#pragma unroll
+            for (int k = 0; k < G; k++) {
+                const int e = base + k * blockDim.x;
+                if (e >= total) continue;
+                float v = 0.f;
+                if (ns[k] == 1)
+                    v = att[(size_t)rh[k] * head_dim + d[k]];
+                else if (ns[k] > 1)
+                    v = A[k] / wsum[rh[k]];
+                xs[e] = f32_to_bf16_bits(v);
+            }
         }
         __syncthreads();
         *f32 = 0;

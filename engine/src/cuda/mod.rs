@@ -229,9 +229,9 @@ const FUSED_MERGE_MAX_SPLITS: usize = 8;
 
 impl MergedSplits {
     /// Dynamic shared memory of the merging GEMV over `n` rows of `inp` inputs: the merged rows
-    /// in bf16, then the split weights and their sums in f32.
+    /// in bf16, then the split weights, their sums and the splits' (max, sum) pairs in f32.
     fn smem(&self, n: usize, inp: usize) -> usize {
-        n * inp * 2 + 4 * n * self.heads * (self.max_splits + 1)
+        n * inp * 2 + 4 * n * self.heads * (3 * self.max_splits + 1)
     }
 }
 
