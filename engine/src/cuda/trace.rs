@@ -19,8 +19,8 @@ use cudarc::driver::{CudaContext, CudaModule, CudaStream};
 use super::{dev_err, kernels, DevBuf};
 use crate::error::{Error, Result};
 
-/// Events the buffer holds (32 bytes each: 128 MiB, about 60 llama-1b decode steps of ~20k
-/// blocks); later ones are counted and dropped.
+/// Events the buffer holds (32 bytes each: 128 MiB; a llama-1b decode step launches ~60k
+/// blocks, so about 65 steps: `bench engine`'s first request); later ones are counted and dropped.
 const CAPACITY: usize = 4 << 20;
 
 /// The event buffer and where to save it.
