@@ -58,27 +58,22 @@
 namespace da {
 
 // Programmatic dependent launch (sm_90+; no-ops before, and when launched normally): let the next
-// kernel launch early, and wait for the previous kernel to complete before reading anything.
-__device__ __forceinline__ void pdl_start() {
+// kernel launch early (pdl_trigger), and wait for the previous kernel to complete before reading
+// anything (pdl_wait_only); pdl_start does both, in that order, at a kernel's start.
+__device__ __forceinline__ void pdl_trigger() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  TD_WAITED();
 }
-
-// The two halves of pdl_start, for a kernel that lets its dependents launch only once its own
-// memory traffic is done (see DA_TRIGGER_LATE).
 __device__ __forceinline__ void pdl_wait_only() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   TD_WAITED();
 }
-__device__ __forceinline__ void pdl_trigger() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+__device__ __forceinline__ void pdl_start() {
+  pdl_trigger();
+  pdl_wait_only();
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -582,11 +577,8 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
                                           float* partial_ml, int mbps, int nh, int nkv, int bs, int head_dim,
                                           int split_len, int max_splits, float scale, unsigned* done) {
   extern __shared__ __align__(16) unsigned char da_smem[];
-#if DA_TRIGGER_LATE
+  if (!DA_TRIGGER_LATE) da::pdl_trigger();
   da::pdl_wait_only();
-#else
-  da::pdl_start();
-#endif
   const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
   if (head_dim == 64)
     da::mma_impl<T, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh,
@@ -596,9 +588,7 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
                                 nh, nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split);
   else
     return;
-#if DA_TRIGGER_LATE
-  da::pdl_trigger();
-#endif
+  if (DA_TRIGGER_LATE) da::pdl_trigger();
   if (!done || nkv <= 0 || nh % nkv != 0 || split_len <= 0) return;
   const int group = nh / nkv;
   const int len = context_lens[seq];

@@ -267,8 +267,8 @@ fn bias(l: &DevLinear) -> u64 {
     l.b.as_ref().map_or(0, |b| b.ptr)
 }
 
-/// What RoPE and the KV write of one layer need: `rope_kv_write`'s arguments, for the fused
-/// q/k/v kernel.
+/// What RoPE and the KV write of one layer need: the arguments `rope_kv_write` and the fused
+/// q/k/v kernel (`fuse=on`) both end with.
 struct RopeArgs {
     q: u64,
     k: u64,
@@ -282,7 +282,24 @@ struct RopeArgs {
     kv_heads: usize,
     head_dim: usize,
     kv_mode: usize,
-    pdl: bool,
+}
+
+impl RopeArgs {
+    /// Appends `(q, k, v, k_pool, v_pool, pos, inv_freq, slots, heads, kv_heads, hd, mode)`.
+    fn append(&self, a: Args) -> Args {
+        a.p(self.q)
+            .p(self.k)
+            .p(self.v)
+            .p(self.k_pool)
+            .p(self.v_pool)
+            .p(self.pos)
+            .p(self.inv_freq)
+            .p(self.slots)
+            .i(self.heads)
+            .i(self.kv_heads)
+            .i(self.head_dim)
+            .i(self.kv_mode)
+    }
 }
 
 /// A linear layer on the device: f32 weights for `matmul=f32`, bf16 bits for `matmul=bf16`.
@@ -1166,7 +1183,14 @@ impl Gpu {
     /// The q/k/v projections of `n` rows with RoPE and the KV write in their epilogue (`fuse=on`,
     /// KV modes 0 and 1): what `gemv` over q, k and v followed by `rope_kv_write` computes, in one
     /// launch. `x` is bf16 or the normalized residual stream.
-    fn qkv_rope(&self, layer: &DevLayer, x: GemvIn, n: usize, rope: &RopeArgs) -> Result<()> {
+    fn qkv_rope(
+        &self,
+        layer: &DevLayer,
+        x: GemvIn,
+        n: usize,
+        rope: &RopeArgs,
+        pdl: bool,
+    ) -> Result<()> {
         if matches!(x, GemvIn::F32(_) | GemvIn::Merged(_)) || rope.kv_mode > 1 {
             return Err(Error::Device(
                 "the fused q/k/v kernel takes bf16 or normalized input and f32 or bf16 KV".into(),
@@ -1177,27 +1201,15 @@ impl Gpu {
         for l in [&layer.q, &layer.k, &layer.v] {
             a = a.p(l.w_bf16.ptr).p(bias(l));
         }
-        let (heads, kv_heads, hd) = (rope.heads, rope.kv_heads, rope.head_dim);
-        a.p(rope.q)
-            .p(rope.k)
-            .p(rope.v)
-            .p(rope.k_pool)
-            .p(rope.v_pool)
-            .p(rope.pos)
-            .p(rope.inv_freq)
-            .p(rope.slots)
-            .i(heads)
-            .i(kv_heads)
-            .i(hd)
-            .i(rope.kv_mode)
-            .launch_pdl(
-                &self.stream,
-                gemv_for(&self.k.gemv_qkv_rope, n)?,
-                (((heads + 2 * kv_heads) * hd / 2).div_ceil(GEMV_WARPS), 1, 1),
-                32 * GEMV_WARPS,
-                smem,
-                rope.pdl && self.pdl_capable,
-            )
+        let pairs = (rope.heads + 2 * rope.kv_heads) * rope.head_dim / 2;
+        rope.append(a).launch_pdl(
+            &self.stream,
+            gemv_for(&self.k.gemv_qkv_rope, n)?,
+            (pairs.div_ceil(GEMV_WARPS), 1, 1),
+            32 * GEMV_WARPS,
+            smem,
+            pdl && self.pdl_capable,
+        )
     }
 
     /// The GEMM input for precision `p`: `x` itself, or `x` rounded to bf16 into `xb`.
@@ -1772,24 +1784,23 @@ impl Inner {
         for (li, layer) in self.layers.iter().enumerate() {
             let qkv = [(&layer.q, q), (&layer.k, k), (&layer.v, v)];
             let (kp, vp) = (kv.k[li].ptr, kv.v[li].ptr);
+            let rope = RopeArgs {
+                q,
+                k,
+                v,
+                k_pool: kp,
+                v_pool: vp,
+                pos: mi(meta.pos),
+                inv_freq: self.inv_freq.ptr,
+                slots: mi(meta.slots),
+                heads: nh,
+                kv_heads: nkv,
+                head_dim: hd,
+                kv_mode: pass.kv_mode,
+            };
             if rope_fused {
-                let rope = RopeArgs {
-                    q,
-                    k,
-                    v,
-                    k_pool: kp,
-                    v_pool: vp,
-                    pos: mi(meta.pos),
-                    inv_freq: self.inv_freq.ptr,
-                    slots: mi(meta.slots),
-                    heads: nh,
-                    kv_heads: nkv,
-                    head_dim: hd,
-                    kv_mode: pass.kv_mode,
-                    pdl,
-                };
                 self.gpu
-                    .qkv_rope(layer, gemv_normed(layer.attn_norm.ptr)?, n, &rope)?;
+                    .qkv_rope(layer, gemv_normed(layer.attn_norm.ptr)?, n, &rope, pdl)?;
                 FUSED_ROPE.fetch_add(1, Ordering::Relaxed);
             } else if gemv {
                 self.gpu
@@ -1803,27 +1814,14 @@ impl Inner {
             // The o projection's input: the attention output, or (fused) the mma kernel's splits.
             let mut o_in = GemvIn::F32(att);
             if !rope_fused {
-                Args::new()
-                    .p(q)
-                    .p(k)
-                    .p(v)
-                    .p(kp)
-                    .p(vp)
-                    .p(mi(meta.pos))
-                    .p(self.inv_freq.ptr)
-                    .p(mi(meta.slots))
-                    .i(nh)
-                    .i(nkv)
-                    .i(hd)
-                    .i(pass.kv_mode)
-                    .launch_pdl(
-                        s,
-                        &kn.rope_kv_write,
-                        (n, nh + nkv, 1),
-                        hd.div_ceil(32) * 32,
-                        0,
-                        early,
-                    )?;
+                rope.append(Args::new()).launch_pdl(
+                    s,
+                    &kn.rope_kv_write,
+                    (n, nh + nkv, 1),
+                    hd.div_ceil(32) * 32,
+                    0,
+                    early,
+                )?;
             }
             // The arguments the SIMT attention kernels share: where each token's context is, and
             // the head shapes.
@@ -2007,27 +2005,22 @@ impl Inner {
             )?;
             tmp
         };
-        if pass.fuse.head && pass.linears == Linears::GemvFusedNorm {
-            // The final RMSNorm inside the head's GEMV, as before q/k/v and gate/up.
-            let normed = GemvIn::Normed {
-                x: rows_in,
-                w: self.norm.ptr,
-                eps: cfg.rms_norm_eps,
+        if gemv {
+            // With `fuse.head` the final RMSNorm runs inside the head's GEMV, as before q/k/v and
+            // gate/up.
+            let hin = if pass.fuse.head && pass.linears == Linears::GemvFusedNorm {
+                GemvIn::Normed {
+                    x: rows_in,
+                    w: self.norm.ptr,
+                    eps: cfg.rms_norm_eps,
+                }
+            } else {
+                GemvIn::Bf16(norm_pdl(rows_in, self.norm.ptr, r, early)?)
             };
             self.gpu
-                .gemv(&[(&self.head, pass.logits)], normed, r, false, pdl)?;
-            return self.record_picks(pass);
-        }
-        let hin = norm_pdl(rows_in, self.norm.ptr, r, early)?;
-        if gemv {
-            self.gpu.gemv(
-                &[(&self.head, pass.logits)],
-                GemvIn::Bf16(hin),
-                r,
-                false,
-                pdl,
-            )?;
+                .gemv(&[(&self.head, pass.logits)], hin, r, false, pdl)?;
         } else {
+            let hin = norm_pdl(rows_in, self.norm.ptr, r, early)?;
             self.gpu.linear(&self.head, hin, r, pass.logits, pm)?;
         }
         self.record_picks(pass)

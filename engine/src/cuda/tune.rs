@@ -100,26 +100,13 @@ const SPLIT_MIN: usize = 128;
 impl Tuning {
     /// The knobs from `var` (the environment, or a test's map).
     fn parse(var: impl Fn(&str) -> Option<String>) -> Tuning {
-        let (defines, split_min, gemv_slice, merge, grid) = (
-            var("TAPEDECK_NVRTC_DEFINES"),
-            var("TAPEDECK_MMA_SPLIT_MIN"),
-            var("TAPEDECK_GEMV_SLICE"),
-            var("TAPEDECK_MMA_MERGE"),
-            var("TAPEDECK_GEMV_GRID"),
-        );
         let fuse = Fusions::parse(var("TAPEDECK_FUSE").as_deref());
         let trace = var("TAPEDECK_TRACE")
             .filter(|p| !p.trim().is_empty())
             .map(std::path::PathBuf::from);
-        let (defines, split_min, gemv_slice, merge) = (
-            defines.as_deref(),
-            split_min.as_deref(),
-            gemv_slice.as_deref(),
-            merge.as_deref(),
-        );
         let mut nvrtc_defines = Vec::new();
-        for d in defines
-            .unwrap_or("")
+        for d in var("TAPEDECK_NVRTC_DEFINES")
+            .unwrap_or_default()
             .split(',')
             .filter(|d| !d.trim().is_empty())
         {
@@ -138,22 +125,22 @@ impl Tuning {
             }
         }
         let split_min = number(
+            &var,
             "TAPEDECK_MMA_SPLIT_MIN",
-            split_min,
             SPLIT_MIN,
             |n| n >= 64 && n.is_multiple_of(64),
             "a multiple of 64",
         );
         let gemv_slice = number(
+            &var,
             "TAPEDECK_GEMV_SLICE",
-            gemv_slice,
             super::GEMV_SLICE,
             |n| [256, 512, 1024, 2048].contains(&n),
             "256, 512, 1024 or 2048",
         );
         let gemv_grid = number(
+            &var,
             "TAPEDECK_GEMV_GRID",
-            grid.as_deref(),
             0,
             |n| n <= 8,
             "0 to 8 blocks per SM",
@@ -164,7 +151,7 @@ impl Tuning {
         if trace.is_some() {
             nvrtc_defines.push("-DTD_TRACE=1".into());
         }
-        let mma_merge_in_kernel = match merge.map(str::trim) {
+        let mma_merge_in_kernel = match var("TAPEDECK_MMA_MERGE").as_deref().map(str::trim) {
             None | Some("kernel") => false,
             Some("in-kernel") => true,
             Some(other) => {
@@ -184,16 +171,16 @@ impl Tuning {
     }
 }
 
-/// Variable `name`'s number, `default` when unset or not one that `ok` accepts (`want` says which
-/// are, in the warning).
+/// Variable `name`'s number (read through `var`), `default` when unset or not one that `ok`
+/// accepts (`want` says which are, in the warning).
 fn number(
+    var: impl Fn(&str) -> Option<String>,
     name: &str,
-    value: Option<&str>,
     default: usize,
     ok: impl Fn(usize) -> bool,
     want: &str,
 ) -> usize {
-    match value.map(|v| v.trim().parse::<usize>()) {
+    match var(name).map(|v| v.trim().parse::<usize>()) {
         None => default,
         Some(Ok(n)) if ok(n) => n,
         Some(_) => {
