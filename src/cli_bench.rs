@@ -239,6 +239,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 kv_budget_bytes: args.kv_budget_mib << 20,
                 max_running: 256,
                 max_waiting: 4096,
+                kv_dtype: toggles.kv_dtype,
                 ..Default::default()
             },
         )?;
@@ -308,19 +309,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 }
             }
             let secs = start.elapsed().as_secs_f64();
-            let block_mib = handle
-                .stats()
-                .kv_pool_bytes
-                .load(std::sync::atomic::Ordering::Relaxed) as f64
-                / handle
-                    .stats()
-                    .kv_blocks_total
-                    .load(std::sync::atomic::Ordering::Relaxed) as f64
-                / (1 << 20) as f64;
-            let peak = handle
-                .stats()
-                .kv_blocks_peak
-                .load(std::sync::atomic::Ordering::Relaxed) as f64;
             println!(
                 "{:>11} {:>14.1} {:>12.2} {:>12.2} {:>10.1} {:>14.1}",
                 c,
@@ -328,28 +316,23 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 itl.value_at_quantile(0.5) as f64 / 1e3,
                 itl.value_at_quantile(0.99) as f64 / 1e3,
                 ttft.value_at_quantile(0.5) as f64 / 1e3,
-                peak * block_mib
+                handle.stats().kv_peak_mib()
             );
         }
         if args.turns > 0 {
             multi_turn(&handle, vocab, args.turns, toggles, &mut rng)?;
         }
+        let stats = handle.stats();
+        let blocks = stats
+            .kv_blocks_total
+            .load(std::sync::atomic::Ordering::Relaxed);
         println!(
-            "KV budget {} MiB: peak {:.1} MiB in use; process peak RSS {:.0} MiB",
+            "KV budget {} MiB: {blocks} blocks of {:.3} MiB ({} tokens, stored as {}); peak {:.1} MiB in use; process peak RSS {:.0} MiB",
             args.kv_budget_mib,
-            handle
-                .stats()
-                .kv_blocks_peak
-                .load(std::sync::atomic::Ordering::Relaxed) as f64
-                * handle
-                    .stats()
-                    .kv_pool_bytes
-                    .load(std::sync::atomic::Ordering::Relaxed) as f64
-                / handle
-                    .stats()
-                    .kv_blocks_total
-                    .load(std::sync::atomic::Ordering::Relaxed) as f64
-                / (1 << 20) as f64,
+            stats.kv_block_mib(),
+            blocks * tapedeck_engine::scheduler::SchedulerConfig::default().block_size,
+            handle.kv_storage().name(),
+            stats.kv_peak_mib(),
             peak_rss_mib().unwrap_or(f64::NAN)
         );
     }

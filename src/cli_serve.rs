@@ -95,6 +95,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     cfg.scheduler = (!args.no_batching).then(|| tapedeck_engine::scheduler::SchedulerConfig {
         kv_budget_bytes: args.kv_budget << 20,
         max_waiting: args.max_queued,
+        kv_dtype: toggles.kv_dtype,
         ..Default::default()
     });
     cfg.app.toggles = toggles;

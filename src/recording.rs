@@ -55,7 +55,11 @@ impl LocalServer {
             toggles,
             ..Default::default()
         };
-        let backend = SchedulerBackend::start(Arc::new(engine), SchedulerConfig::default())
+        let scheduler = SchedulerConfig {
+            kv_dtype: toggles.kv_dtype,
+            ..Default::default()
+        };
+        let backend = SchedulerBackend::start(Arc::new(engine), scheduler)
             .map_err(|e| anyhow::anyhow!("starting the scheduler: {e}"))?;
         let state = AppState::new(Arc::new(backend), store, options).await?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

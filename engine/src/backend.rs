@@ -13,7 +13,7 @@ use std::str::FromStr;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::model::{KvPool, Logits, Model, Segment};
-use crate::toggles::Toggles;
+use crate::toggles::{KvDtype, Toggles};
 
 /// Which device runs the forward passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -74,8 +74,10 @@ pub trait Backend: Send + Sync {
     /// The model configuration.
     fn config(&self) -> &Config;
 
-    /// An empty-or-sized KV pool in this backend's memory.
-    fn new_pool(&self, block_size: usize, num_blocks: usize) -> Result<KvPool>;
+    /// An empty-or-sized KV pool in this backend's memory, for requests whose `kv_dtype` is
+    /// `dtype`. The backend stores that type as compactly as its kernels can read it
+    /// ([`KvPool::storage_dtype`] says how).
+    fn new_pool(&self, block_size: usize, num_blocks: usize, dtype: KvDtype) -> Result<KvPool>;
 
     /// Runs new tokens of several sequences through the model (see [`Model::forward`]).
     fn forward(
@@ -141,8 +143,13 @@ impl Backend for CpuBackend {
         self.model.config()
     }
 
-    fn new_pool(&self, block_size: usize, num_blocks: usize) -> Result<KvPool> {
-        Ok(KvPool::new(self.model.config(), block_size, num_blocks))
+    fn new_pool(&self, block_size: usize, num_blocks: usize, dtype: KvDtype) -> Result<KvPool> {
+        Ok(KvPool::new(
+            self.model.config(),
+            block_size,
+            num_blocks,
+            dtype,
+        ))
     }
 
     fn forward(

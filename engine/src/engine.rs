@@ -16,7 +16,7 @@ use crate::generate::{GenerateOutput, GenerateRequest, LogitsSummary, TokenEvent
 use crate::messages::ChatMessage;
 use crate::model::{KvCache, Logits, Model, Pick, WantLogits};
 use crate::sampling::summarize;
-use crate::toggles::Toggles;
+use crate::toggles::{KvDtype, Toggles};
 use crate::tokenizer::Tokenizer;
 use crate::weights::WeightStore;
 
@@ -133,9 +133,10 @@ impl Engine {
         self.backend.threads()
     }
 
-    /// An empty single-sequence cache in the backend's memory.
-    fn new_cache(&self) -> Result<KvCache> {
-        Ok(KvCache::in_pool(self.backend.new_pool(16, 0)?))
+    /// An empty single-sequence cache in the backend's memory, storing `dtype` (one request's
+    /// cache holds only that request's `kv_dtype`, so it is always packed where the backend can).
+    fn new_cache(&self, dtype: KvDtype) -> Result<KvCache> {
+        Ok(KvCache::in_pool(self.backend.new_pool(16, 0, dtype)?))
     }
 
     /// Renders and tokenizes a chat.
@@ -187,7 +188,7 @@ impl Engine {
     ) -> Result<GenerateOutput> {
         let start = Instant::now();
         self.check_prompt(&req.prompt)?;
-        let mut cache = self.new_cache()?;
+        let mut cache = self.new_cache(req.toggles.kv_dtype)?;
         let mut dec = Decoding::new(req, start);
         let mut logits = self.prefill(&req.prompt, &mut cache, dec.want(), &req.toggles)?;
         dec.prefilled();
@@ -267,7 +268,7 @@ impl Engine {
                 context: self.context_len(),
             });
         }
-        let mut cache = self.new_cache()?;
+        let mut cache = self.new_cache(toggles.kv_dtype)?;
         let vocab = self.config().vocab_size;
         let mut scores = Vec::with_capacity(tokens.len() - from);
         match mode {

@@ -15,6 +15,7 @@ pub mod error;
 pub mod fixture;
 pub mod generate;
 pub mod kv_blocks;
+pub(crate) mod kv_host;
 pub mod messages;
 pub mod model;
 pub mod models;

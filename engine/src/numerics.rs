@@ -59,14 +59,80 @@ pub fn round_fp8_e4m3(x: f32) -> f32 {
     r.min(FP8_E4M3_MAX).copysign(x)
 }
 
+/// The FP8 E4M3 (e4m3fn) code of `x` rounded as [`round_fp8_e4m3`] rounds it: sign bit, four
+/// exponent bits (bias 7), three mantissa bits; NaN is `0x7F`. With [`fp8_e4m3_value`] it lets a
+/// cache store one byte per value and read back exactly the rounded f32.
+pub fn fp8_e4m3_bits(x: f32) -> u8 {
+    let r = round_fp8_e4m3(x);
+    if r.is_nan() {
+        return 0x7F;
+    }
+    let sign = if r.is_sign_negative() { 0x80u8 } else { 0 };
+    let a = r.abs();
+    if a == 0.0 {
+        return sign;
+    }
+    if a < 2f32.powi(-6) {
+        // Subnormal: a multiple of 2^-9, the multiple is the mantissa.
+        return sign | (a * 512.0) as u8;
+    }
+    let bits = a.to_bits();
+    let exp = ((bits >> 23) as i32 - 127 + 7) as u8;
+    let mantissa = ((bits >> 20) & 7) as u8;
+    sign | (exp << 3) | mantissa
+}
+
+/// The value of an FP8 E4M3 (e4m3fn) code (`0x7F` and `0xFF` are NaN; there are no infinities),
+/// from a table: a cache reading FP8 decodes every value it attends to.
+#[inline]
+pub fn fp8_e4m3_value(code: u8) -> f32 {
+    FP8_E4M3_VALUES[code as usize]
+}
+
+/// Every FP8 E4M3 code's value.
+static FP8_E4M3_VALUES: [f32; 256] = {
+    let mut table = [0.0f32; 256];
+    let mut code = 0;
+    while code < 256 {
+        table[code] = fp8_e4m3_decode(code as u8);
+        code += 1;
+    }
+    table
+};
+
+const fn fp8_e4m3_decode(code: u8) -> f32 {
+    let exp = ((code >> 3) & 0xF) as u32;
+    let mantissa = (code & 7) as u32;
+    let a = if exp == 0xF && mantissa == 7 {
+        f32::NAN
+    } else if exp == 0 {
+        // Subnormal: mantissa × 2^-9.
+        mantissa as f32 * f32::from_bits((127 - 9) << 23)
+    } else {
+        // Rebias the exponent (7 → 127) and move the mantissa to f32's top bits.
+        f32::from_bits(((exp + 120) << 23) | (mantissa << 20))
+    };
+    if code & 0x80 != 0 {
+        -a
+    } else {
+        a
+    }
+}
+
+/// The scale of one head vector's FP8 storage (`amax / 448`), or `None` where the vector is left
+/// as it is: all zero, or holding an infinity or NaN (what [`fake_quant_fp8_e4m3`] and the CUDA
+/// kernels do).
+pub fn fp8_e4m3_scale(xs: &[f32]) -> Option<f32> {
+    let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    (amax != 0.0 && amax.is_finite()).then_some(amax / FP8_E4M3_MAX)
+}
+
 /// Quantizes a vector to FP8 E4M3 with one scale (`amax / 448`), returning the dequantized values
 /// the kernel would read back (`fp8(x / scale) * scale`).
 pub fn fake_quant_fp8_e4m3(xs: &mut [f32]) {
-    let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    if amax == 0.0 || !amax.is_finite() {
+    let Some(scale) = fp8_e4m3_scale(xs) else {
         return;
-    }
-    let scale = amax / FP8_E4M3_MAX;
+    };
     for x in xs {
         *x = round_fp8_e4m3(*x / scale) * scale;
     }
@@ -690,6 +756,34 @@ mod tests {
             // 3 mantissa bits: relative error at most 2^-4 for normal values.
             assert!((a - b).abs() <= b.abs() * 0.0625 + 3.0 / 448.0 * 2f32.powi(-9) * 2.0);
         }
+    }
+
+    #[test]
+    fn fp8_e4m3_codes_round_trip() {
+        // Every code but the two NaNs decodes to a value that encodes back to the same code.
+        for code in 0..=255u8 {
+            let v = fp8_e4m3_value(code);
+            if code & 0x7F == 0x7F {
+                assert!(v.is_nan(), "{code:#x}");
+                continue;
+            }
+            assert_eq!(fp8_e4m3_bits(v), code, "{code:#x} = {v}");
+        }
+        assert_eq!(fp8_e4m3_value(0x7E), 448.0);
+        assert_eq!(fp8_e4m3_value(0x01), 2f32.powi(-9));
+        assert_eq!(fp8_e4m3_value(0x38), 1.0);
+        // Any value: the code's value is the rounding, bit for bit (signed zeros included).
+        let mut r = rng();
+        for _ in 0..20000 {
+            let x: f32 = r.random_range(-600.0..600.0) * 2f32.powi(r.random_range(-14..0));
+            let want = round_fp8_e4m3(x);
+            assert_eq!(
+                fp8_e4m3_value(fp8_e4m3_bits(x)).to_bits(),
+                want.to_bits(),
+                "{x}"
+            );
+        }
+        assert!(fp8_e4m3_value(fp8_e4m3_bits(f32::NAN)).is_nan());
     }
 
     #[test]

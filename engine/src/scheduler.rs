@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::generate::{GenerateOutput, GenerateRequest, TokenEvent};
 use crate::kv_blocks::{block_keys, BlockKey, BlockManager};
 use crate::model::{BlockTable, KvPool, Segment, WantLogits};
-use crate::toggles::Toggles;
+use crate::toggles::{KvDtype, Toggles};
 
 /// Limits of the scheduler.
 #[derive(Debug, Clone)]
@@ -42,6 +42,10 @@ pub struct SchedulerConfig {
     pub max_running: usize,
     /// Most requests waiting for admission; beyond it requests are refused (429).
     pub max_waiting: usize,
+    /// The `kv_dtype` the pool is built for: the CPU backend stores it packed (bf16 holds twice
+    /// the tokens of f32 in the same budget, FP8 nearly four times), and then refuses requests
+    /// with another `kv_dtype`; f32 holds every dtype. Set it to the served toggles' `kv_dtype`.
+    pub kv_dtype: KvDtype,
 }
 
 impl Default for SchedulerConfig {
@@ -52,6 +56,7 @@ impl Default for SchedulerConfig {
             max_batch_tokens: 512,
             max_running: 64,
             max_waiting: 256,
+            kv_dtype: KvDtype::F32,
         }
     }
 }
@@ -112,6 +117,20 @@ pub struct SchedulerStats {
     pub generated_tokens: AtomicU64,
 }
 
+impl SchedulerStats {
+    /// MiB one KV block takes (its storage type's size; NaN before the pool exists).
+    pub fn kv_block_mib(&self) -> f64 {
+        self.kv_pool_bytes.load(Ordering::Relaxed) as f64
+            / self.kv_blocks_total.load(Ordering::Relaxed) as f64
+            / (1 << 20) as f64
+    }
+
+    /// MiB of the KV pool referenced at the peak.
+    pub fn kv_peak_mib(&self) -> f64 {
+        self.kv_blocks_peak.load(Ordering::Relaxed) as f64 * self.kv_block_mib()
+    }
+}
+
 enum Msg {
     Submit(Box<Pending>),
     Stop,
@@ -133,6 +152,8 @@ pub struct EngineHandle {
     tx: mpsc::Sender<Msg>,
     stats: Arc<SchedulerStats>,
     max_waiting: usize,
+    /// The pool's storage type (requests with a `kv_dtype` it cannot hold are refused).
+    storage: KvDtype,
     _stopper: Arc<Stopper>,
 }
 
@@ -155,7 +176,8 @@ impl Drop for Stopper {
 impl EngineHandle {
     /// Starts a scheduler thread over `engine`.
     pub fn start(engine: Arc<Engine>, cfg: SchedulerConfig) -> Result<Self> {
-        let block_bytes = KvPool::block_bytes(engine.config(), cfg.block_size);
+        let mut pool = engine.backend().new_pool(cfg.block_size, 0, cfg.kv_dtype)?;
+        let block_bytes = pool.block_bytes();
         let num_blocks = cfg.kv_budget_bytes / block_bytes.max(1);
         if num_blocks == 0 {
             return Err(Error::InvalidRequest(format!(
@@ -163,6 +185,8 @@ impl EngineHandle {
                 cfg.kv_budget_bytes, block_bytes
             )));
         }
+        pool.grow(num_blocks)?;
+        let storage = pool.storage_dtype();
         let stats = Arc::new(SchedulerStats::default());
         stats.kv_blocks_total.store(num_blocks, Ordering::Relaxed);
         stats
@@ -170,7 +194,7 @@ impl EngineHandle {
             .store(num_blocks * block_bytes, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel();
         let mut core = Core {
-            pool: engine.backend().new_pool(cfg.block_size, num_blocks)?,
+            pool,
             blocks: BlockManager::new(num_blocks),
             engine: engine.clone(),
             cfg: cfg.clone(),
@@ -188,6 +212,7 @@ impl EngineHandle {
             tx: tx.clone(),
             stats,
             max_waiting: cfg.max_waiting,
+            storage,
             _stopper: Arc::new(Stopper {
                 tx,
                 thread: std::sync::Mutex::new(Some(thread)),
@@ -203,6 +228,12 @@ impl EngineHandle {
     /// Live figures.
     pub fn stats(&self) -> &SchedulerStats {
         &self.stats
+    }
+
+    /// The type the KV pool stores (f32 where the backend cannot store the configured
+    /// `kv_dtype` packed).
+    pub fn kv_storage(&self) -> KvDtype {
+        self.storage
     }
 
     /// Queues a request; its events arrive on the returned stream.
@@ -252,6 +283,7 @@ impl EngineHandle {
         if req.prompt.is_empty() {
             return Err(Error::InvalidRequest("the prompt is empty".into()));
         }
+        self.storage.check_holds(req.toggles.kv_dtype)?;
         if req.prompt.len() >= self.engine.context_len() {
             return Err(Error::ContextOverflow {
                 prompt_tokens: req.prompt.len(),

@@ -39,6 +39,36 @@ pub enum KvDtype {
     Fp8E4m3,
 }
 
+impl KvDtype {
+    /// The toggle's text form of the value (`f32`, `bf16`, `fp8-e4m3`).
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::Bf16 => "bf16",
+            KvDtype::Fp8E4m3 => "fp8-e4m3",
+        }
+    }
+
+    /// Whether a cache storing `self` can hold a request's `kv_dtype`: f32 storage holds every
+    /// dtype's rounded values, packed storage only its own type.
+    pub fn holds(self, kv_dtype: KvDtype) -> bool {
+        self == KvDtype::F32 || self == kv_dtype
+    }
+
+    /// An error unless a cache storing `self` can hold `kv_dtype`.
+    pub(crate) fn check_holds(self, kv_dtype: KvDtype) -> crate::Result<()> {
+        if self.holds(kv_dtype) {
+            return Ok(());
+        }
+        Err(crate::Error::InvalidRequest(format!(
+            "the KV cache stores {}, so it cannot run a request with kv_dtype={} (start the \
+             server with that kv_dtype, or with kv_dtype=f32, which holds every dtype)",
+            self.name(),
+            kv_dtype.name()
+        )))
+    }
+}
+
 /// The decode attention kernel.
 ///
 /// `MmaBf16` is the fast path of GPU engines: bf16 tensor-core MMAs (q, k, the softmax
@@ -210,7 +240,9 @@ pub const REGISTRY: &[ToggleSpec] = &[
         name: "kv_dtype",
         values: "f32 | bf16 | fp8-e4m3",
         default: "f32",
-        description: "storage type of the KV cache (fp8: per-token-head scale amax/448)",
+        description: "storage type of the KV cache (fp8: per-token-head scale amax/448); \
+                      the CPU stores it packed (bf16 2 bytes, fp8 1 byte + a scale per head), \
+                      so the same KV budget holds 2x / ~3.8x the tokens",
     },
     ToggleSpec {
         name: "attn_decode",
@@ -420,12 +452,7 @@ impl Toggles {
         Some(match name {
             "matmul" => precision_str(self.matmul).to_string(),
             "attn_scores" => precision_str(self.attn_scores).to_string(),
-            "kv_dtype" => match self.kv_dtype {
-                KvDtype::F32 => "f32",
-                KvDtype::Bf16 => "bf16",
-                KvDtype::Fp8E4m3 => "fp8-e4m3",
-            }
-            .to_string(),
+            "kv_dtype" => self.kv_dtype.name().to_string(),
             "attn_decode" => match self.attn_decode {
                 AttnDecode::SimtF32 => "simt-f32",
                 AttnDecode::MmaBf16 => "mma-bf16",

@@ -93,7 +93,7 @@ fn run(
     chunk: usize,
     toggles: &Toggles,
 ) -> Vec<Vec<f32>> {
-    let mut cache = KvCache::in_pool(e.backend().new_pool(16, 0).unwrap());
+    let mut cache = KvCache::in_pool(e.backend().new_pool(16, 0, toggles.kv_dtype).unwrap());
     let mut rows = Vec::new();
     for (i, piece) in prompt.chunks(chunk).enumerate() {
         let last = (i + 1) * chunk >= prompt.len();
@@ -525,7 +525,7 @@ fn cuda_batched_segments_match_each_alone() {
     let bs = 16;
     let need: Vec<usize> = seqs.iter().map(|s| s.len().div_ceil(bs)).collect();
     let total: usize = need.iter().sum();
-    let mut pool = gpu.backend().new_pool(bs, total).unwrap();
+    let mut pool = gpu.backend().new_pool(bs, total, t.kv_dtype).unwrap();
     let mut tables: Vec<BlockTable> = seqs.iter().map(|_| BlockTable::default()).collect();
     // Blocks handed out in reverse and interleaved.
     let mut next = total as u32;
@@ -747,7 +747,7 @@ fn cuda_picks_tokens_on_the_device_like_the_host() {
         }
     };
     let run_batch = |want: &dyn Fn(usize) -> WantLogits| -> Vec<Logits> {
-        let mut pool = gpu.backend().new_pool(16, 64).unwrap();
+        let mut pool = gpu.backend().new_pool(16, 64, KvDtype::F32).unwrap();
         let mut tables: Vec<BlockTable> = Vec::new();
         let mut next = 0u32;
         for s in &seqs {
@@ -1003,7 +1003,10 @@ fn batched_decode(
         .zip(steps)
         .map(|(p, s)| (p.len() + s.len()).div_ceil(bs))
         .collect();
-    let mut pool = e.backend().new_pool(bs, need.iter().sum()).unwrap();
+    let mut pool = e
+        .backend()
+        .new_pool(bs, need.iter().sum(), toggles.kv_dtype)
+        .unwrap();
     let mut next = 0u32;
     let mut tables: Vec<BlockTable> = need
         .iter()

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use tapedeck_engine::engine::EngineOptions;
 use tapedeck_engine::scheduler::{EngineHandle, Event, SchedulerConfig};
+use tapedeck_engine::toggles::KvDtype;
 use tapedeck_engine::{
     Engine, GenerateOutput, GenerateRequest, SamplingParams, StopCriteria, Toggles,
 };
@@ -352,5 +353,101 @@ fn decode_only_kernels_do_not_leak_decode_kv_into_later_prompts() {
                 .unwrap(),
         );
         same(&cold, &warm).unwrap_or_else(|m| panic!("{toggles}: warm turn differs: {m}"));
+    }
+}
+
+/// Outputs equal bit for bit: same tokens, same logprob bits everywhere.
+fn identical(a: &GenerateOutput, b: &GenerateOutput) -> Result<(), String> {
+    if a.tokens != b.tokens {
+        return Err(format!("tokens differ: {:?} vs {:?}", a.tokens, b.tokens));
+    }
+    for (i, (x, y)) in a.summaries.iter().zip(&b.summaries).enumerate() {
+        let bits = |s: &tapedeck_engine::LogitsSummary| {
+            std::iter::once(s.logprob.to_bits())
+                .chain(s.top.iter().map(|(_, p)| p.to_bits()))
+                .collect::<Vec<_>>()
+        };
+        if bits(x) != bits(y) {
+            return Err(format!("summary {i}: {x:?} vs {y:?}"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn packed_kv_pools_change_capacity_not_numbers() {
+    let e = engine(2);
+    let budget = 16 << 20;
+    let start = |kv_dtype| {
+        EngineHandle::start(
+            e.clone(),
+            SchedulerConfig {
+                kv_budget_bytes: budget,
+                max_batch_tokens: 96,
+                kv_dtype,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    };
+    let blocks = |h: &EngineHandle| {
+        let s = h.stats();
+        let bytes = s.kv_pool_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(bytes <= budget, "{bytes} bytes over a {budget}-byte budget");
+        s.kv_blocks_total.load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let f32_pool = start(KvDtype::F32);
+    let f32_blocks = blocks(&f32_pool);
+    let hd = e.config().head_dim;
+    let mut r = rng();
+    for (dtype, name) in [(KvDtype::Bf16, "bf16"), (KvDtype::Fp8E4m3, "fp8-e4m3")] {
+        let packed = start(dtype);
+        // Capacity: bf16 halves a value's bytes, FP8 takes one byte plus a 4-byte scale per head.
+        let per_head = match dtype {
+            KvDtype::Bf16 => 2 * hd,
+            _ => hd + 4,
+        };
+        let want = f32_blocks * 4 * hd / per_head;
+        let got = blocks(&packed);
+        assert!(
+            got.abs_diff(want) <= 4 * hd / per_head,
+            "{name}: {got} blocks, want ~{want}"
+        );
+        // Numbers: a packed pool reads back what an f32 pool holding the rounded values reads,
+        // through chunked prefill, prefix-cache hits, decode-only kernels and concurrent batches.
+        let shared = prompt(&e, 70, &mut r);
+        let toggle_sets = [
+            format!("kv_dtype={name},prefill_chunk=16"),
+            format!("kv_dtype={name},attn_decode=mma-bf16,attn_scores=bf16"),
+            format!("kv_dtype={name},decode_topk=24,prefill_chunk=32"),
+        ];
+        for toggles in &toggle_sets {
+            let reqs: Vec<GenerateRequest> = (0..3)
+                .map(|i| {
+                    let mut p = shared.clone();
+                    p.extend(prompt(&e, 10 + 17 * i, &mut r));
+                    let mut req = request(p, toggles);
+                    req.stop.max_tokens = 12;
+                    req
+                })
+                .collect();
+            let run = |h: &EngineHandle| -> Vec<GenerateOutput> {
+                let streams: Vec<_> = reqs.iter().map(|q| h.submit(q.clone()).unwrap()).collect();
+                streams.into_iter().map(collect).collect()
+            };
+            let (a, b) = (run(&f32_pool), run(&packed));
+            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                identical(x, y).unwrap_or_else(|m| panic!("{toggles}, request {i}: {m}"));
+                // The single-sequence engine packs its private cache the same way.
+                let alone = e.generate(&reqs[i], &mut |_| true).unwrap();
+                identical(x, &alone).unwrap_or_else(|m| panic!("{toggles}, alone {i}: {m}"));
+            }
+        }
+        // A request with another kv_dtype is refused with the reason, not run on the wrong store.
+        let err = match packed.submit(request(shared.clone(), "kv_dtype=f32")) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a {name} pool accepted a kv_dtype=f32 request"),
+        };
+        assert!(err.contains(&format!("stores {name}")), "{err}");
     }
 }

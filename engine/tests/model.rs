@@ -37,7 +37,7 @@ fn rng() -> rand_chacha::ChaCha8Rng {
 
 /// Full logits of the last position after `tokens`.
 fn last_logits(e: &Engine, tokens: &[u32], toggles: &Toggles) -> Vec<f32> {
-    let mut cache = KvCache::new(e.config());
+    let mut cache = KvCache::new(e.config(), toggles.kv_dtype);
     let (pool, seg) = cache.segment(tokens, false, WantLogits::Last).unwrap();
     e.backend()
         .forward(pool, &mut [seg], toggles)
@@ -78,7 +78,7 @@ fn batch_composition_and_threads_change_nothing() {
     let bs = 16;
     let need: Vec<usize> = seqs.iter().map(|s| s.len().div_ceil(bs)).collect();
     let total: usize = need.iter().sum();
-    let mut pool = KvPool::new(e2.config(), bs, total);
+    let mut pool = KvPool::new(e2.config(), bs, total, t.kv_dtype);
     let mut tables: Vec<BlockTable> = seqs.iter().map(|_| BlockTable::default()).collect();
     let mut next = 0u32;
     for round in 0..*need.iter().max().unwrap() {
@@ -134,7 +134,9 @@ fn toggles_move_logits_by_the_expected_order() {
         "default toggles must be bit-identical to the reference"
     );
     for (toggle, lo, hi) in [
-        ("matmul=bf16", 1e-4, 3e-2),
+        // Every linear layer rounds its inputs: 1.4e-2 – 3.3e-2 over 25 random draws (ninth
+        // session), so the bound leaves room; garbage would move the logits by ~1.
+        ("matmul=bf16", 1e-4, 1e-1),
         ("attn_scores=bf16", 1e-5, 3e-2),
         ("kv_dtype=bf16", 1e-5, 3e-2),
         // FP8 keeps 3 mantissa bits: random tokens on a random model move the logits by 0.05–0.3

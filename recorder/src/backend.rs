@@ -442,7 +442,17 @@ impl SchedulerBackend {
             device: engine.backend().describe(),
             tool_call_format: engine.template().tool_call_format(),
         };
+        let block_size = config.block_size;
         let handle = EngineHandle::start(engine, config)?;
+        let s = handle.stats();
+        let blocks = s.kv_blocks_total.load(Ordering::Relaxed);
+        tracing::info!(
+            blocks,
+            tokens = blocks * block_size,
+            mib = s.kv_pool_bytes.load(Ordering::Relaxed) >> 20,
+            storage = handle.kv_storage().name(),
+            "KV pool"
+        );
         Ok(SchedulerBackend { handle, info })
     }
 

@@ -1275,7 +1275,9 @@ impl Backend for CudaBackend {
         &self.cfg
     }
 
-    fn new_pool(&self, block_size: usize, num_blocks: usize) -> Result<KvPool> {
+    /// Device pools store f32 holding the rounded values whatever `kv_dtype` asks for: every
+    /// kernel reads f32 keys and values today.
+    fn new_pool(&self, block_size: usize, num_blocks: usize, _dtype: KvDtype) -> Result<KvPool> {
         let per_layer = num_blocks * block_size * self.cfg.num_kv_heads * self.cfg.head_dim;
         let kv = DeviceKv::new(&self.ctx, self.cfg.num_layers, per_layer)?;
         Ok(KvPool::on_device(&self.cfg, block_size, num_blocks, kv))

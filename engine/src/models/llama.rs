@@ -16,9 +16,8 @@ use rayon::prelude::*;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::generate::LogitsSummary;
-use crate::numerics::{
-    fake_quant_fp8_e4m3, matmul_t, rms_norm, round_bf16, round_bf16_slice, silu_mul,
-};
+use crate::kv_host::HostRows;
+use crate::numerics::{matmul_t, rms_norm, round_bf16, round_bf16_slice, silu_mul};
 use crate::sampling::{argmax, summarize};
 use crate::toggles::{KvDtype, Precision, Toggles};
 use crate::weights::WeightStore;
@@ -179,13 +178,16 @@ impl Logits {
 /// Key/value storage for many sequences, in fixed-size blocks (paged attention's layout).
 ///
 /// A sequence owns a [`BlockTable`] listing the blocks that hold its positions in order; two
-/// sequences with a common prefix can list the same full blocks (the prefix cache). Values are
-/// stored as f32 holding exactly what the `kv_dtype` toggle's storage type would hold, in host
-/// memory for the CPU backend or device memory for the CUDA one; the layout is the same.
+/// sequences with a common prefix can list the same full blocks (the prefix cache). The pool has
+/// one storage type: the CPU backend stores a `kv_dtype` in that type's own size (see
+/// [`crate::kv_host`]), so a bf16 pool holds twice the tokens of an f32 one and an FP8 pool
+/// nearly four times; an f32 pool holds any `kv_dtype` as f32 holding the rounded values (what the
+/// CUDA backend does today). The layout is (block, position, KV head, head_dim) either way.
 #[derive(Debug)]
 pub struct KvPool {
     block_size: usize,
     kv_dim: usize,
+    head_dim: usize,
     num_blocks: usize,
     storage: KvStorage,
 }
@@ -193,24 +195,35 @@ pub struct KvPool {
 /// Where a pool's numbers live.
 #[derive(Debug)]
 pub(crate) enum KvStorage {
-    /// Per layer: (num_blocks, block_size, kv_heads, head_dim) keys and values.
-    Host { k: Vec<Vec<f32>>, v: Vec<Vec<f32>> },
-    /// The same layout in GPU memory.
+    /// Per layer: (num_blocks, block_size, kv_heads, head_dim) keys and values, all in `dtype`.
+    Host {
+        dtype: KvDtype,
+        k: Vec<HostRows>,
+        v: Vec<HostRows>,
+    },
+    /// The same layout in GPU memory (f32).
     Cuda(crate::cuda::DeviceKv),
 }
 
 impl KvPool {
-    /// A host pool of `num_blocks` blocks of `block_size` positions for a model.
-    pub fn new(cfg: &Config, block_size: usize, num_blocks: usize) -> Self {
+    /// A host pool of `num_blocks` blocks of `block_size` positions for a model, storing `dtype`.
+    pub fn new(cfg: &Config, block_size: usize, num_blocks: usize, dtype: KvDtype) -> Self {
         let kv_dim = cfg.num_kv_heads * cfg.head_dim;
         let per_layer = num_blocks * block_size * kv_dim;
+        let layers = || {
+            (0..cfg.num_layers)
+                .map(|_| HostRows::new(dtype, per_layer, cfg.head_dim))
+                .collect()
+        };
         KvPool {
             block_size,
             kv_dim,
+            head_dim: cfg.head_dim,
             num_blocks,
             storage: KvStorage::Host {
-                k: vec![vec![0.0; per_layer]; cfg.num_layers],
-                v: vec![vec![0.0; per_layer]; cfg.num_layers],
+                dtype,
+                k: layers(),
+                v: layers(),
             },
         }
     }
@@ -225,14 +238,28 @@ impl KvPool {
         KvPool {
             block_size,
             kv_dim: cfg.num_kv_heads * cfg.head_dim,
+            head_dim: cfg.head_dim,
             num_blocks,
             storage: KvStorage::Cuda(kv),
         }
     }
 
-    /// Bytes one block takes across all layers (keys and values, f32).
-    pub fn block_bytes(cfg: &Config, block_size: usize) -> usize {
-        2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4
+    /// The type values are stored in.
+    pub fn storage_dtype(&self) -> KvDtype {
+        match &self.storage {
+            KvStorage::Host { dtype, .. } => *dtype,
+            KvStorage::Cuda(_) => KvDtype::F32,
+        }
+    }
+
+    /// Bytes one block takes across all layers (keys and values).
+    pub fn block_bytes(&self) -> usize {
+        let layers = self.num_layers();
+        let heads = self.kv_dim / self.head_dim.max(1);
+        2 * layers
+            * self.block_size
+            * heads
+            * HostRows::head_bytes(self.storage_dtype(), self.head_dim)
     }
 
     /// Positions per block.
@@ -250,9 +277,9 @@ impl KvPool {
         let new_blocks = self.num_blocks + n;
         let per_layer = new_blocks * self.block_size * self.kv_dim;
         match &mut self.storage {
-            KvStorage::Host { k, v } => {
+            KvStorage::Host { k, v, .. } => {
                 for l in k.iter_mut().chain(v.iter_mut()) {
-                    l.resize(per_layer, 0.0);
+                    l.resize(per_layer, self.head_dim);
                 }
             }
             KvStorage::Cuda(kv) => kv.grow(per_layer)?,
@@ -263,7 +290,7 @@ impl KvPool {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        2 * self.num_layers() * self.num_blocks * self.block_size * self.kv_dim * 4
+        self.num_blocks * self.block_bytes()
     }
 
     fn num_layers(&self) -> usize {
@@ -314,9 +341,9 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// An empty host cache for a model (the CPU backend's).
-    pub fn new(cfg: &Config) -> Self {
-        Self::in_pool(KvPool::new(cfg, 16, 0))
+    /// An empty host cache for a model (the CPU backend's), storing `dtype`.
+    pub fn new(cfg: &Config, dtype: KvDtype) -> Self {
+        Self::in_pool(KvPool::new(cfg, 16, 0, dtype))
     }
 
     /// An empty cache over an empty pool of any backend.
@@ -550,9 +577,11 @@ impl Model {
             return Ok(segs.iter().map(|_| Logits::Rows(Vec::new())).collect());
         }
         let bs = pool.block_size;
+        pool.storage_dtype().check_holds(toggles.kv_dtype)?;
         let KvStorage::Host {
             k: pool_k,
             v: pool_v,
+            ..
         } = &mut pool.storage
         else {
             return Err(Error::Device(
@@ -576,6 +605,9 @@ impl Model {
         let mut g = vec![0.0f32; n * cfg.intermediate_size]; // (n, intermediate)
         let mut u = vec![0.0f32; n * cfg.intermediate_size]; // (n, intermediate)
         let mut scratch = Vec::new();
+        // A packed pool's keys and values of one sequence, decoded, and their block table.
+        let mut dense = (HostRows::F32(Vec::new()), HostRows::F32(Vec::new()));
+        let mut identity: Vec<u32> = Vec::new();
 
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, &mut xn);
@@ -586,34 +618,34 @@ impl Model {
                 self.rope(&mut q[t * q_dim..(t + 1) * q_dim], pos);
                 self.rope(&mut k[t * kv_dim..(t + 1) * kv_dim], pos);
             }
-            // Keys and values are stored as the cache dtype would hold them.
-            match toggles.kv_dtype {
-                KvDtype::F32 => {}
-                KvDtype::Bf16 => {
-                    round_bf16_slice(&mut k);
-                    round_bf16_slice(&mut v);
-                }
-                KvDtype::Fp8E4m3 => {
-                    for head in k.chunks_exact_mut(hd).chain(v.chunks_exact_mut(hd)) {
-                        fake_quant_fp8_e4m3(head);
-                    }
-                }
-            }
+            // Keys and values are stored as the cache dtype holds them (rounded per head).
             for (t, &(si, pos)) in where_.iter().enumerate() {
                 let row = segs[si].table.slot(pos, bs) * kv_dim;
-                pool_k[li][row..row + kv_dim].copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
-                pool_v[li][row..row + kv_dim].copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
+                for h in 0..nkv {
+                    let src = t * kv_dim + h * hd..t * kv_dim + (h + 1) * hd;
+                    pool_k[li].store(row + h * hd, &k[src.clone()], toggles.kv_dtype);
+                    pool_v[li].store(row + h * hd, &v[src], toggles.kv_dtype);
+                }
             }
-            {
-                let views: Vec<SeqView> = segs
-                    .iter()
-                    .map(|s| SeqView {
-                        blocks: &s.table.blocks,
-                        start: s.table.len,
-                        decode: s.decode,
-                        fault_chunk_boundary: s.fault_chunk_boundary,
-                    })
-                    .collect();
+            let views: Vec<SeqView> = segs
+                .iter()
+                .map(|s| SeqView {
+                    blocks: &s.table.blocks,
+                    start: s.table.len,
+                    decode: s.decode,
+                    fault_chunk_boundary: s.fault_chunk_boundary,
+                })
+                .collect();
+            let rows = AttnRows {
+                q: &q,
+                where_: &where_,
+                views: &views,
+                heads: nh,
+                kv_heads: nkv,
+                hd,
+                toggles,
+            };
+            if pool_k[li].is_f32() {
                 let layer_kv = LayerKv {
                     k: &pool_k[li],
                     v: &pool_v[li],
@@ -621,28 +653,33 @@ impl Model {
                     kv_dim,
                     hd,
                 };
-                let q = &q;
-                let where_ = &where_;
-                att.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
-                    let (t, head) = (idx / nh, idx % nh);
-                    let (si, pos) = where_[t];
-                    let view = &views[si];
-                    let qh = &q[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
-                    let kvh = head / (nh / nkv);
-                    // The faulty mask hides the previous token from a chunk's first token.
-                    let hide = chunk_boundary_hidden(view.fault_chunk_boundary, view.start, pos);
-                    attend(
-                        qh,
-                        &layer_kv,
-                        view.blocks,
-                        pos + 1,
-                        hide,
-                        kvh,
-                        view.decode,
-                        toggles,
-                        out,
-                    );
-                });
+                rows.attend(0, &layer_kv, None, &mut att);
+            } else {
+                // A packed pool: each sequence's cached keys and values are decoded once per
+                // layer into f32 in position order, so attention decodes each value once instead
+                // of once per query head and token (the same values, so the same bits).
+                let mut t0 = 0;
+                for s in segs.iter() {
+                    let len = s.tokens.len();
+                    let ctx = s.table.len + len;
+                    let blocks = &s.table.blocks;
+                    let k = std::mem::replace(&mut dense.0, HostRows::F32(Vec::new()));
+                    dense.0 = pool_k[li].gather(blocks, ctx, bs, kv_dim, hd, k);
+                    let v = std::mem::replace(&mut dense.1, HostRows::F32(Vec::new()));
+                    dense.1 = pool_v[li].gather(blocks, ctx, bs, kv_dim, hd, v);
+                    identity.clear();
+                    identity.extend(0..ctx.div_ceil(bs) as u32);
+                    let layer_kv = LayerKv {
+                        k: &dense.0,
+                        v: &dense.1,
+                        block_size: bs,
+                        kv_dim,
+                        hd,
+                    };
+                    let out = &mut att[t0 * q_dim..(t0 + len) * q_dim];
+                    rows.attend(t0, &layer_kv, Some(&identity), out);
+                    t0 += len;
+                }
             }
             layer.o.forward(&att, n, &mut tmp, pm, &mut scratch);
             for (a, b) in x.iter_mut().zip(&tmp) {
@@ -753,25 +790,69 @@ struct SeqView<'a> {
     fault_chunk_boundary: bool,
 }
 
+/// The query rows of one forward pass, ready for attention.
+struct AttnRows<'a> {
+    /// (n, heads, head_dim) rotated queries.
+    q: &'a [f32],
+    /// `(segment, position)` of each row.
+    where_: &'a [(usize, usize)],
+    views: &'a [SeqView<'a>],
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    toggles: &'a Toggles,
+}
+
+impl AttnRows<'_> {
+    /// Attention of rows `t0..` (as many as `out` holds, `(rows, heads, head_dim)`) over `kv`,
+    /// through each sequence's block table or, for a dense copy of one sequence, `blocks`.
+    fn attend(&self, t0: usize, kv: &LayerKv<'_>, blocks: Option<&[u32]>, out: &mut [f32]) {
+        let (nh, hd) = (self.heads, self.hd);
+        let q_dim = nh * hd;
+        out.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
+            let (t, head) = (t0 + idx / nh, idx % nh);
+            let (si, pos) = self.where_[t];
+            let view = &self.views[si];
+            let qh = &self.q[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
+            let kvh = head / (nh / self.kv_heads);
+            // The faulty mask hides the previous token from a chunk's first token.
+            let hide = chunk_boundary_hidden(view.fault_chunk_boundary, view.start, pos);
+            attend(
+                qh,
+                kv,
+                blocks.unwrap_or(view.blocks),
+                pos + 1,
+                hide,
+                kvh,
+                view.decode,
+                self.toggles,
+                out,
+            );
+        });
+    }
+}
+
 /// One layer's paged keys and values.
 struct LayerKv<'a> {
     /// (num_blocks, block_size, kv_heads, head_dim)
-    k: &'a [f32],
+    k: &'a HostRows,
     /// (num_blocks, block_size, kv_heads, head_dim)
-    v: &'a [f32],
+    v: &'a HostRows,
     block_size: usize,
     kv_dim: usize,
     hd: usize,
 }
 
-/// Scratch buffers of [`attend`]: (scores, positions, query, key).
-type AttnScratch = (Vec<f32>, Vec<usize>, Vec<f32>, Vec<f32>);
+/// Scratch buffers of [`attend`]: (scores, positions, query, key, value).
+type AttnScratch = (Vec<f32>, Vec<usize>, Vec<f32>, Vec<f32>, Vec<f32>);
 
 thread_local! {
     /// Per-thread scratch of [`attend`], grown as needed and reused, so attention allocates
     /// nothing per call once warm.
     static ATTN_SCRATCH: std::cell::RefCell<AttnScratch> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
+        const {
+            std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()))
+        };
 }
 
 /// Attention of one query head over the first `ctx` positions of its KV head (`hide`: one
@@ -790,9 +871,9 @@ fn attend(
 ) {
     ATTN_SCRATCH.with(|cell| {
         let mut guard = cell.borrow_mut();
-        let (scores, positions, qv, kbuf) = &mut *guard;
+        let (scores, positions, qv, kbuf, vbuf) = &mut *guard;
         attend_with(
-            q, kv, blocks, ctx, hide, kvh, decode, toggles, out, scores, positions, qv, kbuf,
+            q, kv, blocks, ctx, hide, kvh, decode, toggles, out, scores, positions, qv, kbuf, vbuf,
         );
     });
 }
@@ -812,6 +893,7 @@ fn attend_with(
     positions: &mut Vec<usize>,
     qv: &mut Vec<f32>,
     kbuf: &mut Vec<f32>,
+    vbuf: &mut Vec<f32>,
 ) {
     let hd = kv.hd;
     let bs = kv.block_size;
@@ -819,8 +901,8 @@ fn attend_with(
     let bf16 = toggles.attention_bf16(decode);
     qv.clear();
     qv.extend_from_slice(q);
-    kbuf.clear();
     kbuf.resize(hd, 0.0);
+    vbuf.resize(hd, 0.0);
     if bf16 {
         round_bf16_slice(qv);
     }
@@ -832,16 +914,8 @@ fn attend_with(
         let n = bs.min(ctx - b * bs);
         for off in 0..n {
             let o = (base + off) * kv.kv_dim + kvh * hd;
-            let kj = &kv.k[o..o + hd];
-            let d = if bf16 {
-                for (dst, &v) in kbuf.iter_mut().zip(kj) {
-                    *dst = round_bf16(v);
-                }
-                crate::numerics::dot(qv, kbuf)
-            } else {
-                crate::numerics::dot(qv, kj)
-            };
-            scores.push(d * scale);
+            let kj = kv.k.head(o, hd, bf16, kbuf);
+            scores.push(crate::numerics::dot(qv, kj) * scale);
         }
     }
     positions.clear();
@@ -873,16 +947,9 @@ fn attend_with(
         } else {
             scores[j]
         };
-        let o = offset(j);
-        let vj = &kv.v[o..o + hd];
-        if bf16 {
-            for (o, &v) in out.iter_mut().zip(vj) {
-                *o += p * round_bf16(v);
-            }
-        } else {
-            for (o, &v) in out.iter_mut().zip(vj) {
-                *o += p * v;
-            }
+        let vj = kv.v.head(offset(j), hd, bf16, vbuf);
+        for (o, &v) in out.iter_mut().zip(vj) {
+            *o += p * v;
         }
     }
     let inv = 1.0 / sum;

@@ -102,13 +102,19 @@ impl EngineTarget {
         Self::new(Arc::new(engine), toggles, opts.scheduler.clone(), spec)
     }
 
-    /// A target over an already loaded engine (several targets may share one model).
+    /// A target over an already loaded engine (several targets may share one model). Its KV
+    /// pool stores the toggles' `kv_dtype`, whatever `scheduler` says, since every request of
+    /// the target carries those toggles.
     pub fn new(
         engine: Arc<Engine>,
         toggles: Toggles,
         scheduler: SchedulerConfig,
         spec: &str,
     ) -> Result<Self> {
+        let scheduler = SchedulerConfig {
+            kv_dtype: toggles.kv_dtype,
+            ..scheduler
+        };
         let handle = EngineHandle::start(engine, scheduler)?;
         Ok(EngineTarget {
             spec: spec.to_string(),
