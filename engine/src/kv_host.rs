@@ -115,7 +115,8 @@ impl HostRows {
 
     /// Decodes positions `0..ctx` of one sequence (`blocks` of `block_size` positions, rows of
     /// `kv_dim` values in heads of `hd`) into f32 in position order, reusing `reuse`'s memory:
-    /// a dense copy that attention reads without decoding, through the identity block table.
+    /// a dense copy in `out` (made f32 if it is not) that attention reads without decoding,
+    /// through the identity block table.
     pub(crate) fn gather(
         &self,
         blocks: &[u32],
@@ -123,12 +124,14 @@ impl HostRows {
         block_size: usize,
         kv_dim: usize,
         hd: usize,
-        reuse: HostRows,
-    ) -> HostRows {
+        out: &mut HostRows,
+    ) {
         use rayon::prelude::*;
-        let mut out = match reuse {
-            HostRows::F32(v) => v,
-            _ => Vec::new(),
+        if !out.is_f32() {
+            *out = HostRows::F32(Vec::new());
+        }
+        let HostRows::F32(out) = out else {
+            return;
         };
         out.resize(ctx.div_ceil(block_size) * block_size * kv_dim, 0.0);
         out.par_chunks_mut(kv_dim)
@@ -140,7 +143,6 @@ impl HostRows {
                     self.decode_into(slot * kv_dim + h * hd, dst);
                 }
             });
-        HostRows::F32(out)
     }
 
     /// The head vector of `hd` values at value offset `at` as f32, rounded to bf16 on the way if
@@ -156,6 +158,11 @@ impl HostRows {
         let buf = &mut buf[..hd];
         match self {
             HostRows::F32(x) if !bf16 => return &x[at..at + hd],
+            HostRows::F32(x) => {
+                for (d, &v) in buf.iter_mut().zip(&x[at..at + hd]) {
+                    *d = round_bf16(v);
+                }
+            }
             // bf16 values round to themselves.
             HostRows::Bf16(_) => self.decode_into(at, buf),
             _ => {

@@ -608,6 +608,15 @@ impl Model {
         // A packed pool's keys and values of one sequence, decoded, and their block table.
         let mut dense = (HostRows::F32(Vec::new()), HostRows::F32(Vec::new()));
         let mut identity: Vec<u32> = Vec::new();
+        let views: Vec<SeqView> = segs
+            .iter()
+            .map(|s| SeqView {
+                blocks: &s.table.blocks,
+                start: s.table.len,
+                decode: s.decode,
+                fault_chunk_boundary: s.fault_chunk_boundary,
+            })
+            .collect();
 
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, &mut xn);
@@ -627,15 +636,6 @@ impl Model {
                     pool_v[li].store(row + h * hd, &v[src], toggles.kv_dtype);
                 }
             }
-            let views: Vec<SeqView> = segs
-                .iter()
-                .map(|s| SeqView {
-                    blocks: &s.table.blocks,
-                    start: s.table.len,
-                    decode: s.decode,
-                    fault_chunk_boundary: s.fault_chunk_boundary,
-                })
-                .collect();
             let rows = AttnRows {
                 q: &q,
                 where_: &where_,
@@ -663,10 +663,8 @@ impl Model {
                     let len = s.tokens.len();
                     let ctx = s.table.len + len;
                     let blocks = &s.table.blocks;
-                    let k = std::mem::replace(&mut dense.0, HostRows::F32(Vec::new()));
-                    dense.0 = pool_k[li].gather(blocks, ctx, bs, kv_dim, hd, k);
-                    let v = std::mem::replace(&mut dense.1, HostRows::F32(Vec::new()));
-                    dense.1 = pool_v[li].gather(blocks, ctx, bs, kv_dim, hd, v);
+                    pool_k[li].gather(blocks, ctx, bs, kv_dim, hd, &mut dense.0);
+                    pool_v[li].gather(blocks, ctx, bs, kv_dim, hd, &mut dense.1);
                     identity.clear();
                     identity.extend(0..ctx.div_ceil(bs) as u32);
                     let layer_kv = LayerKv {
