@@ -249,6 +249,10 @@ pub struct CacheStats {
     pub kv_blocks_used: u64,
     /// KV blocks in the pool.
     pub kv_blocks_total: u64,
+    /// Bytes of the KV pool.
+    pub kv_pool_bytes: u64,
+    /// The type the KV pool stores (`None` where the backend does not say).
+    pub kv_storage: Option<tapedeck_engine::toggles::KvDtype>,
     /// Device time of the engine's forward passes so far and their count, where the engine runs
     /// on an accelerator (its busy fraction is the rate of the first).
     pub device_busy: Option<(std::time::Duration, u64)>,
@@ -575,6 +579,8 @@ impl Backend for SchedulerBackend {
             prefill_tokens: s.prefill_tokens.load(Ordering::Relaxed),
             kv_blocks_used: s.kv_blocks_used.load(Ordering::Relaxed) as u64,
             kv_blocks_total: s.kv_blocks_total.load(Ordering::Relaxed) as u64,
+            kv_pool_bytes: s.kv_pool_bytes.load(Ordering::Relaxed) as u64,
+            kv_storage: Some(self.handle.kv_storage()),
             device_busy: self.handle.engine().backend().device_time(),
         })
     }

@@ -444,7 +444,14 @@ async fn prefix_cache_hits_show_in_metrics(kind: Kind) {
         .map(|v| v.parse::<u64>().unwrap());
     match kind {
         Kind::Serial => assert_eq!(hits, None, "the serial backend has no prefix cache"),
-        Kind::Batched => assert!(hits.unwrap() > 0, "{metrics}"),
+        Kind::Batched => {
+            assert!(hits.unwrap() > 0, "{metrics}");
+            // The pool says what it stores (the default toggles: f32).
+            assert!(
+                metrics.contains("tapedeck_kv_cache_info{storage=\"f32\"} 1"),
+                "{metrics}"
+            );
+        }
     }
     // The engine runs on the CPU here: no accelerator time to report.
     assert!(

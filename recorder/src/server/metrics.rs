@@ -206,6 +206,21 @@ impl Metrics {
                 "KV cache blocks in the pool.",
                 c.kv_blocks_total,
             );
+            gauge(
+                &mut out,
+                "tapedeck_kv_pool_bytes",
+                "Bytes of the KV cache pool.",
+                c.kv_pool_bytes,
+            );
+            if let Some(storage) = c.kv_storage {
+                let name = "tapedeck_kv_cache_info";
+                let _ = writeln!(
+                    out,
+                    "# HELP {name} The KV cache's storage type (label), always 1.\n\
+                     # TYPE {name} gauge\n{name}{{storage=\"{}\"}} 1",
+                    storage.name()
+                );
+            }
             if let Some((busy, passes)) = c.device_busy {
                 let name = "tapedeck_device_busy_seconds_total";
                 let _ = writeln!(
@@ -271,10 +286,17 @@ mod tests {
         let m = Metrics::default();
         let cache = CacheStats {
             prefill_tokens: 7,
+            kv_pool_bytes: 3 << 20,
+            kv_storage: Some(tapedeck_engine::toggles::KvDtype::Bf16),
             ..Default::default()
         };
         let cpu = m.render(Load::default(), Some(cache), WriterStats::default());
         assert_eq!(value(&cpu, "tapedeck_prefill_tokens_total"), Some(7.0));
+        assert_eq!(value(&cpu, "tapedeck_kv_pool_bytes"), Some(3145728.0));
+        assert_eq!(
+            value(&cpu, "tapedeck_kv_cache_info{storage=\"bf16\"}"),
+            Some(1.0)
+        );
         assert_eq!(value(&cpu, "tapedeck_device_busy_seconds_total"), None);
         let busy = (std::time::Duration::from_micros(2_500_250), 1234);
         let gpu = CacheStats {
