@@ -50,8 +50,8 @@ struct MkLayer {
     const float* bd;
     const float* attn_norm;
     const float* mlp_norm;
-    float* k_pool;
-    float* v_pool;
+    void* k_pool;  // f32, or bf16 bits for decode_step_bf16kv (a kv_dtype=bf16 pool)
+    void* v_pool;
 };
 
 // The step's buffers and shapes, passed by value (host: cuda/mod.rs `MkParams`, same order:
@@ -284,8 +284,10 @@ __device__ __forceinline__ void mk_swiglu(const MkLayer& L, const float* x, floa
 // also rotates and stores the new token's key and value (no other split reads that position),
 // then threads 0..127 run the mma kernel's block. The item that finishes a KV head's splits last
 // (a counter per KV head, reset by it) merges them, as decode_attn_combine would.
-template <int D>
+template <int D, typename KV>
 __device__ __forceinline__ void mk_attention(const MkParams& p, const MkLayer& L, unsigned char* smem) {
+    KV* k_pool = static_cast<KV*>(L.k_pool);
+    KV* v_pool = static_cast<KV*>(L.v_pool);
     grid_sync(p.bar);
     const int group = p.heads / p.kv_heads;
     const int len = p.ctx[0];
@@ -294,15 +296,15 @@ __device__ __forceinline__ void mk_attention(const MkParams& p, const MkLayer& L
         const int kvh = it % p.kv_heads, split = it / p.kv_heads;
         float* qs = p.q_scr + (size_t)split * p.heads * D;
         for (int j = 0; j < group; j++)
-            rope_kv_head(p.q, qs, p.k, p.v, L.k_pool, L.v_pool, p.pos, p.inv_freq, p.slots, p.heads, p.kv_heads,
+            rope_kv_head(p.q, qs, p.k, p.v, k_pool, v_pool, p.pos, p.inv_freq, p.slots, p.heads, p.kv_heads,
                          D, p.kv_mode, 0, kvh * group + j);
         if (split == ns - 1)
-            rope_kv_head(p.q, qs, p.k, p.v, L.k_pool, L.v_pool, p.pos, p.inv_freq, p.slots, p.heads, p.kv_heads,
+            rope_kv_head(p.q, qs, p.k, p.v, k_pool, v_pool, p.pos, p.inv_freq, p.slots, p.heads, p.kv_heads,
                          D, p.kv_mode, 0, p.heads + kvh);
         __threadfence();  // the new key and value reach L2 before the cp.async tile loads read them
         __syncthreads();
         if (threadIdx.x < DA_THREADS)
-            da::mma_impl<float, D, true>(p.att, qs, L.k_pool, L.v_pool, p.tables, p.ctx, p.partial_out,
+            da::mma_impl<KV, D, true>(p.att, qs, k_pool, v_pool, p.tables, p.ctx, p.partial_out,
                                          p.partial_ml, p.max_blocks, p.heads, p.kv_heads, p.block_size,
                                          p.split_len, p.max_splits, p.scale, smem, kvh, 0, split);
         __syncthreads();
@@ -326,9 +328,9 @@ extern "C" __global__ void grid_sync_bench(unsigned* bar, int iters) {
 #endif
 #define MK_RUNS(bit) ((MK_PHASES) & (bit))
 
-extern "C" __global__ void __launch_bounds__(MK_THREADS, MK_MIN_BLOCKS) decode_step(MkParams p) {
-    TD_SCOPE("decode_step");
-    extern __shared__ __align__(16) unsigned char mk_smem[];
+// The step over a pool of KV elements (f32, or bf16 bits): decode_step / decode_step_bf16kv.
+template <typename KV>
+__device__ __forceinline__ void decode_step_impl(const MkParams& p, unsigned char* mk_smem) {
     const int q_dim = p.heads * p.head_dim, kv_dim = p.kv_heads * p.head_dim;
     for (int l = 0; l < p.n_layers; l++) {
         const MkLayer& L = p.layers[l];
@@ -341,9 +343,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, MK_MIN_BLOCKS) decode_s
         if (!MK_RUNS(2))
             grid_sync(p.bar);
         else if (p.head_dim == 64)
-            mk_attention<64>(p, L, mk_smem);
+            mk_attention<64, KV>(p, L, mk_smem);
         else
-            mk_attention<128>(p, L, mk_smem);
+            mk_attention<128, KV>(p, L, mk_smem);
         MkMats o = {{L.wo, 0, 0}, {L.bo, 0, 0}, {p.x, 0, 0}, {p.hidden, 0, 0}};
         if (MK_RUNS(4))
             mk_gemv(o, p.att, 1, 0, 0.0f, q_dim, p.splits_o, 1, p.bar, true);
@@ -364,4 +366,15 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, MK_MIN_BLOCKS) decode_s
         mk_gemv(head, p.x, 0, p.final_norm, p.eps, p.hidden, p.splits_head, 0, p.bar, true);
     else
         grid_sync(p.bar);
+}
+
+extern "C" __global__ void __launch_bounds__(MK_THREADS, MK_MIN_BLOCKS) decode_step(MkParams p) {
+    TD_SCOPE("decode_step");
+    extern __shared__ __align__(16) unsigned char mk_smem[];
+    decode_step_impl<float>(p, mk_smem);
+}
+extern "C" __global__ void __launch_bounds__(MK_THREADS, MK_MIN_BLOCKS) decode_step_bf16kv(MkParams p) {
+    TD_SCOPE("decode_step_bf16kv");
+    extern __shared__ __align__(16) unsigned char mk_smem[];
+    decode_step_impl<bf16_t>(p, mk_smem);
 }

@@ -34,6 +34,18 @@ __device__ __forceinline__ bf16_t f32_to_bf16_bits(float x) {
     return (bf16_t)(__float_as_uint(round_bf16(x)) >> 16);
 }
 
+// One element of a KV pool, whose storage is f32 (any kv_dtype, held as f32 of the rounded value)
+// or bf16 bits (a kv_dtype=bf16 pool, half the bytes). The kernels that read or write the pool
+// are templates over the element type, instantiated for both (the `_bf16kv` entry points); a
+// bf16 pool only ever receives values already rounded to bf16, so storing them is exact and the
+// two pools read back the same f32 bits.
+__device__ __forceinline__ float kv_get(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float kv_get(const bf16_t* p, size_t i) {
+    return __uint_as_float((unsigned int)p[i] << 16);
+}
+__device__ __forceinline__ void kv_put(float* p, size_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void kv_put(bf16_t* p, size_t i, float x) { p[i] = f32_to_bf16_bits(x); }
+
 // Round to the nearest FP8 E4M3 (e4m3fn) value, ties to even, saturating at +-448
 // (as numerics::round_fp8_e4m3).
 __device__ __forceinline__ float round_fp8_e4m3(float x) {
@@ -593,8 +605,9 @@ __device__ __forceinline__ void rope_rotate(float a, float b, int pos, float inv
 // every thread of a block wider than rope_kv_write's, compute nothing and write nothing): shared
 // with the persistent decode kernel (decode_step.cu), which writes rotated queries to q_out (the
 // same layout as q) instead of in place.
-__device__ __forceinline__ void rope_kv_head(float* q, float* q_out, float* k, float* v, float* k_pool,
-                                             float* v_pool, const int* pos,
+template <typename KV>
+__device__ __forceinline__ void rope_kv_head(float* q, float* q_out, float* k, float* v, KV* k_pool,
+                                             KV* v_pool, const int* pos,
                                              const float* inv_freq, const int* slots, int heads,
                                              int kv_heads, int hd, int mode, int t, int h) {
     __shared__ float s32[32];
@@ -642,20 +655,29 @@ __device__ __forceinline__ void rope_kv_head(float* q, float* q_out, float* k, f
     v[src] = vx;
     if (slots[t] < 0) return;
     size_t dst = ((size_t)slots[t] * kv_heads + kvh) * hd + d;
-    k_pool[dst] = kx;
-    v_pool[dst] = vx;
+    kv_put(k_pool, dst, kx);
+    kv_put(v_pool, dst, vx);
 }
 
-extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_pool,
-                                         float* v_pool, const int* pos, const float* inv_freq,
-                                         const int* slots, int heads, int kv_heads, int hd,
-                                         int mode) {
+#define ROPE_KV_PARAMS(KV)                                                                       \
+    float *q, float *k, float *v, KV *k_pool, KV *v_pool, const int *pos, const float *inv_freq, \
+        const int *slots, int heads, int kv_heads, int hd, int mode
+#define ROPE_KV_ARGS \
+    q, q, k, v, k_pool, v_pool, pos, inv_freq, slots, heads, kv_heads, hd, mode, blockIdx.x, blockIdx.y
+extern "C" __global__ void rope_kv_write(ROPE_KV_PARAMS(float)) {
     TD_SCOPE("rope_kv_write");
     pdl_launch_dependents();
     pdl_wait();
-    rope_kv_head(q, q, k, v, k_pool, v_pool, pos, inv_freq, slots, heads, kv_heads, hd, mode,
-                 blockIdx.x, blockIdx.y);
+    rope_kv_head(ROPE_KV_ARGS);
 }
+extern "C" __global__ void rope_kv_write_bf16kv(ROPE_KV_PARAMS(bf16_t)) {
+    TD_SCOPE("rope_kv_write_bf16kv");
+    pdl_launch_dependents();
+    pdl_wait();
+    rope_kv_head(ROPE_KV_ARGS);
+}
+#undef ROPE_KV_PARAMS
+#undef ROPE_KV_ARGS
 
 // The q/k/v projections with RoPE and the KV write in their epilogue (`fuse=on`): what gemv_bf16_N
 // over (q, k, v) followed by rope_kv_write computes, the same arithmetic in the same order, so the
@@ -666,12 +688,12 @@ extern "C" __global__ void rope_kv_write(float* q, float* k, float* v, float* k_
 // residual stream normalized first (x_f32 must be 0, as for the gate/up kernel). Writes q (rotated), k (rotated, rounded) and v (rounded) like
 // rope_kv_write, and the pool rows at slots[t] (none for slot -1). May be launched with PDL.
 // grid (ceil((heads + 2 kv_heads) * hd / 2 / GEMV_WARPS)), block 32 * GEMV_WARPS.
-template <int N>
+template <int N, typename KV>
 __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm_w, float eps,
                                                 int in, const bf16_t* wq, const float* bq,
                                                 const bf16_t* wk, const float* bk,
                                                 const bf16_t* wv, const float* bv, float* q,
-                                                float* k, float* v, float* k_pool, float* v_pool,
+                                                float* k, float* v, KV* k_pool, KV* v_pool,
                                                 const int* pos, const float* inv_freq,
                                                 const int* slots, int heads, int kv_heads, int hd,
                                                 int mode) {
@@ -699,7 +721,7 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     gemv_row<N, false>(w1, pre1, x, in, 0, in, lane, s1);
     int nheads = which == 0 ? heads : kv_heads;
     float* y = which == 0 ? q : which == 1 ? k : v;
-    float* pool = which == 1 ? k_pool : v_pool;
+    KV* pool = which == 1 ? k_pool : v_pool;
 #pragma unroll
     for (int r = 0; r < N; r++) {
         if (lane != r) continue;
@@ -716,36 +738,33 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
         y[at + i + half] = c;
         if (which == 0 || slots[r] < 0) continue;
         size_t dst = ((size_t)slots[r] * kv_heads + hh) * hd;
-        pool[dst + i] = a;
-        pool[dst + i + half] = c;
+        kv_put(pool, dst + i, a);
+        kv_put(pool, dst + i + half, c);
     }
 }
 
-#define QKV_ROPE_PARAMS                                                                          \
+#define QKV_ROPE_PARAMS(KV)                                                                      \
     const void *x, int x_f32, const float *norm_w, float eps, int n, int in, const bf16_t *wq, \
-        const float *bq,                                                                        \
-        const bf16_t *wk, const float *bk, const bf16_t *wv, const float *bv, float *q,         \
-        float *k, float *v, float *k_pool, float *v_pool, const int *pos,                       \
+        const float *bq, const bf16_t *wk, const float *bk, const bf16_t *wv, const float *bv,   \
+        float *q, float *k, float *v, KV *k_pool, KV *v_pool, const int *pos,                   \
         const float *inv_freq, const int *slots, int heads, int kv_heads, int hd, int mode
 #define QKV_ROPE_ARGS                                                                            \
     x, norm_w, eps, in, wq, bq, wk, bk, wv, bv, q, k, v, k_pool, v_pool, pos, inv_freq, slots,  \
         heads, kv_heads, hd, mode
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_1(QKV_ROPE_PARAMS) {
-    TD_SCOPE("gemv_bf16_qkv_rope_1");
-    qkv_rope_kernel<1>(QKV_ROPE_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_2(QKV_ROPE_PARAMS) {
-    TD_SCOPE("gemv_bf16_qkv_rope_2");
-    qkv_rope_kernel<2>(QKV_ROPE_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_3(QKV_ROPE_PARAMS) {
-    TD_SCOPE("gemv_bf16_qkv_rope_3");
-    qkv_rope_kernel<3>(QKV_ROPE_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_4(QKV_ROPE_PARAMS) {
-    TD_SCOPE("gemv_bf16_qkv_rope_4");
-    qkv_rope_kernel<4>(QKV_ROPE_ARGS);
-}
+#define QKV_ROPE_ENTRY(name, N, KV)                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) name(QKV_ROPE_PARAMS(KV)) {   \
+        TD_SCOPE(#name);                                                                        \
+        qkv_rope_kernel<N>(QKV_ROPE_ARGS);                                                      \
+    }
+QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_1, 1, float)
+QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_2, 2, float)
+QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_3, 3, float)
+QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_4, 4, float)
+QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_bf16kv_1, 1, bf16_t)
+QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_bf16kv_2, 2, bf16_t)
+QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_bf16kv_3, 3, bf16_t)
+QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_bf16kv_4, 4, bf16_t)
+#undef QKV_ROPE_ENTRY
 
 // Per token of the batch, what attention needs (one int array, see cuda/mod.rs `Meta`):
 //   seg[t]: the token's segment (row of the block tables); ctx[t]: positions it attends to
@@ -766,13 +785,14 @@ __device__ __forceinline__ size_t kv_offset(const int* table, int j, int bs, int
 // batch); with scores != NULL the scores of grid row r come from there (the sparse top-k path:
 // unselected positions hold -inf) instead of being computed.
 // out, q (n, heads, hd). grid (rows, heads), block 32 * ATT_WARPS.
-extern "C" __global__ void attention(float* out, const float* q, const float* k_pool,
-                                     const float* v_pool, const int* tables, int max_blocks,
-                                     const int* seg, const int* ctx, const int* hide,
-                                     const int* rows, const float* scores, int scores_stride,
-                                     int heads, int kv_heads, int hd, int bs, float scale,
-                                     int bf16) {
-    TD_SCOPE("attention");
+template <typename KV>
+__device__ __forceinline__ void attention_impl(float* out, const float* q, const KV* k_pool,
+                                               const KV* v_pool, const int* tables,
+                                               int max_blocks, const int* seg, const int* ctx,
+                                               const int* hide, const int* rows,
+                                               const float* scores, int scores_stride, int heads,
+                                               int kv_heads, int hd, int bs, float scale,
+                                               int bf16) {
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_acc[ATT_WARPS][MAX_DPL * 32];
     int r = blockIdx.x, h = blockIdx.y;
@@ -805,7 +825,7 @@ extern "C" __global__ void attention(float* out, const float* q, const float* k_
             for (int i = 0; i < MAX_DPL; i++) {
                 int d = lane + 32 * i;
                 if (d < hd) {
-                    float kx = k_pool[off + d];
+                    float kx = kv_get(k_pool, off + d);
                     part += qr[i] * (bf16 ? round_bf16(kx) : kx);
                 }
             }
@@ -820,7 +840,7 @@ extern "C" __global__ void attention(float* out, const float* q, const float* k_
         for (int i = 0; i < MAX_DPL; i++) {
             int d = lane + 32 * i;
             if (d < hd) {
-                float vx = v_pool[off + d];
+                float vx = kv_get(v_pool, off + d);
                 acc[i] = acc[i] * corr + pv * (bf16 ? round_bf16(vx) : vx);
             }
         }
@@ -860,13 +880,14 @@ extern "C" __global__ void attention(float* out, const float* q, const float* k_
 // Scores q·k * scale of one query head of one token at every position of its context, for the
 // sparse top-k decode path; positions past the context (and the hidden one) get -inf. Grid row r
 // is token rows[r]. scores (rows, heads, stride). grid (rows, heads), block 32 * ATT_WARPS.
-extern "C" __global__ void attention_scores(float* scores, int scores_stride, const float* q,
-                                            const float* k_pool, const int* tables,
-                                            int max_blocks, const int* seg, const int* ctx,
-                                            const int* hide, const int* rows, int heads,
-                                            int kv_heads, int hd, int bs, float scale,
-                                            int bf16) {
-    TD_SCOPE("attention_scores");
+template <typename KV>
+__device__ __forceinline__ void attention_scores_impl(float* scores, int scores_stride,
+                                                      const float* q, const KV* k_pool,
+                                                      const int* tables, int max_blocks,
+                                                      const int* seg, const int* ctx,
+                                                      const int* hide, const int* rows, int heads,
+                                                      int kv_heads, int hd, int bs, float scale,
+                                                      int bf16) {
     int r = blockIdx.x, h = blockIdx.y;
     int t = rows[r];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -893,7 +914,7 @@ extern "C" __global__ void attention_scores(float* scores, int scores_stride, co
         for (int i = 0; i < MAX_DPL; i++) {
             int d = lane + 32 * i;
             if (d < hd) {
-                float kx = k_pool[off + d];
+                float kx = kv_get(k_pool, off + d);
                 part += qr[i] * (bf16 ? round_bf16(kx) : kx);
             }
         }
@@ -901,6 +922,42 @@ extern "C" __global__ void attention_scores(float* scores, int scores_stride, co
         if (lane == 0) row[j] = s;
     }
 }
+
+#define ATTENTION_PARAMS(KV)                                                                      \
+    float *out, const float *q, const KV *k_pool, const KV *v_pool, const int *tables,           \
+        int max_blocks, const int *seg, const int *ctx, const int *hide, const int *rows,         \
+        const float *scores, int scores_stride, int heads, int kv_heads, int hd, int bs,          \
+        float scale, int bf16
+#define ATTENTION_ARGS                                                                            \
+    out, q, k_pool, v_pool, tables, max_blocks, seg, ctx, hide, rows, scores, scores_stride,      \
+        heads, kv_heads, hd, bs, scale, bf16
+#define SCORES_PARAMS(KV)                                                                         \
+    float *scores, int scores_stride, const float *q, const KV *k_pool, const int *tables,        \
+        int max_blocks, const int *seg, const int *ctx, const int *hide, const int *rows,          \
+        int heads, int kv_heads, int hd, int bs, float scale, int bf16
+#define SCORES_ARGS                                                                               \
+    scores, scores_stride, q, k_pool, tables, max_blocks, seg, ctx, hide, rows, heads, kv_heads,  \
+        hd, bs, scale, bf16
+extern "C" __global__ void attention(ATTENTION_PARAMS(float)) {
+    TD_SCOPE("attention");
+    attention_impl(ATTENTION_ARGS);
+}
+extern "C" __global__ void attention_bf16kv(ATTENTION_PARAMS(bf16_t)) {
+    TD_SCOPE("attention_bf16kv");
+    attention_impl(ATTENTION_ARGS);
+}
+extern "C" __global__ void attention_scores(SCORES_PARAMS(float)) {
+    TD_SCOPE("attention_scores");
+    attention_scores_impl(SCORES_ARGS);
+}
+extern "C" __global__ void attention_scores_bf16kv(SCORES_PARAMS(bf16_t)) {
+    TD_SCOPE("attention_scores_bf16kv");
+    attention_scores_impl(SCORES_ARGS);
+}
+#undef ATTENTION_PARAMS
+#undef ATTENTION_ARGS
+#undef SCORES_PARAMS
+#undef SCORES_ARGS
 
 // Order-preserving map of a float to an unsigned key (larger float, larger key).
 __device__ __forceinline__ unsigned int float_key(float f) {

@@ -158,10 +158,23 @@ struct Geo {
     static_assert(4 * FLOATS <= 99 * 1024, "over sm_120's 99 KB of shared memory per block");
 };
 
+// Stages 4 consecutive pool elements (f32, or bf16 bits from a kv_dtype=bf16 pool) as f32 in
+// shared memory; ok false: zeros, nothing read. f32 goes through cp.async (complete after the
+// thread's wait_group); bf16 is loaded (8 bytes) and widened by the thread itself, so it is in
+// place before the same wait_group and barrier that publish the cp.async chunks.
+__device__ __forceinline__ void stage4(float* dst, const float* src, bool ok) {
+    cp_async16(dst, src, ok ? 16 : 0);
+}
+__device__ __forceinline__ void stage4(float* dst, const unsigned short* src, bool ok) {
+    uint2 b = ok ? *reinterpret_cast<const uint2*>(src) : make_uint2(0u, 0u);
+    *reinterpret_cast<float4*>(dst) = make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xffff0000u),
+                                                  __uint_as_float(b.y << 16), __uint_as_float(b.y & 0xffff0000u));
+}
+
 // Gathers positions j0 .. j0+BN-1 of KV head kvh into a staged tile (row c = position j0 + c),
 // through the block table; positions >= kv_end are zero-filled, never read.
-template <int HD, int BN>
-__device__ __forceinline__ void issue_tile(float* dst, const float* __restrict__ pool, const int* __restrict__ table,
+template <int HD, int BN, typename KV>
+__device__ __forceinline__ void issue_tile(float* dst, const KV* __restrict__ pool, const int* __restrict__ table,
                                            int j0, int kv_end, int bs, int kv_dim, int kvh) {
     typedef Geo<HD, BN> G;
 #pragma unroll
@@ -170,9 +183,9 @@ __device__ __forceinline__ void issue_tile(float* dst, const float* __restrict__
         const int c = idx / G::CPR, c4 = idx % G::CPR;
         const int j = j0 + c;
         const bool ok = j < kv_end;
-        const float* src = pool;
+        const KV* src = pool;
         if (ok) src += ((size_t)table[j / bs] * bs + j % bs) * kv_dim + (size_t)kvh * HD + 4 * c4;
-        cp_async16(dst + c * G::RS + 4 * c4, src, ok ? 16 : 0);
+        stage4(dst + c * G::RS + 4 * c4, src, ok);
     }
 }
 
@@ -232,9 +245,9 @@ __device__ __forceinline__ void scores(const float* Qs, const float* Ks, float (
         }
 }
 
-template <int HD, int BN>
+template <int HD, int BN, typename KV>
 __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __restrict__ q,
-                                        const float* __restrict__ k_pool, const float* __restrict__ v_pool,
+                                        const KV* __restrict__ k_pool, const KV* __restrict__ v_pool,
                                         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seg,
                                         const int* __restrict__ ctx, const int* __restrict__ hide,
                                         const int* __restrict__ tiles, int heads, int kv_heads, int hd, int bs,
@@ -298,11 +311,11 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
 
     if (bf16) {
         // Pass 1: every row's max score. K tiles only, double-buffered in the K and V regions.
-        issue_tile<HD, BN>(Ks, k_pool, table, 0, kv_end, bs, kv_dim, kvh);
+        issue_tile<HD, BN, KV>(Ks, k_pool, table, 0, kv_end, bs, kv_dim, kvh);
         cp_async_commit();
         for (int it = 0; it < ntiles; ++it) {
             float* cur = (it & 1) ? Vs : Ks;
-            if (it + 1 < ntiles) issue_tile<HD, BN>((it & 1) ? Ks : Vs, k_pool, table, (it + 1) * BN, kv_end, bs, kv_dim, kvh);
+            if (it + 1 < ntiles) issue_tile<HD, BN, KV>((it & 1) ? Ks : Vs, k_pool, table, (it + 1) * BN, kv_end, bs, kv_dim, kvh);
             cp_async_commit();
             cp_async_wait<1>();
             round_own_chunks<HD, BN>(cur);
@@ -323,9 +336,9 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
     // Main pass. One K and one V buffer, staged alternately: K(it+1) loads while P V of tile it
     // runs, V(it+1) while S of tile it+1 runs. Groups in flight at the top of iteration it:
     // K(it), V(it).
-    issue_tile<HD, BN>(Ks, k_pool, table, 0, kv_end, bs, kv_dim, kvh);
+    issue_tile<HD, BN, KV>(Ks, k_pool, table, 0, kv_end, bs, kv_dim, kvh);
     cp_async_commit();
-    issue_tile<HD, BN>(Vs, v_pool, table, 0, kv_end, bs, kv_dim, kvh);
+    issue_tile<HD, BN, KV>(Vs, v_pool, table, 0, kv_end, bs, kv_dim, kvh);
     cp_async_commit();
     for (int it = 0; it < ntiles; ++it) {
         const int j0 = it * BN;
@@ -334,7 +347,7 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
         __syncthreads();
         scores<HD, BN>(Qs, Ks, s, j0, rctx, rhide, scale);
         __syncthreads();  // every thread is done with Ks
-        if (it + 1 < ntiles) issue_tile<HD, BN>(Ks, k_pool, table, j0 + BN, kv_end, bs, kv_dim, kvh);
+        if (it + 1 < ntiles) issue_tile<HD, BN, KV>(Ks, k_pool, table, j0 + BN, kv_end, bs, kv_dim, kvh);
         cp_async_commit();
 
         // Online softmax per row. A row with nothing unmasked yet keeps m = -inf, l = 0, o = 0.
@@ -384,7 +397,7 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
             }
         }
         __syncthreads();  // every thread is done with Vs and Ps
-        if (it + 1 < ntiles) issue_tile<HD, BN>(Vs, v_pool, table, j0 + BN, kv_end, bs, kv_dim, kvh);
+        if (it + 1 < ntiles) issue_tile<HD, BN, KV>(Vs, v_pool, table, j0 + BN, kv_end, bs, kv_dim, kvh);
         cp_async_commit();
     }
     cp_async_wait<0>();
@@ -410,8 +423,8 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
 
 // The entry points, one per head_dim (written out, not generated, so a reader and the engine's
 // entry-point test can find them).
-#define PA_ARGS                                                                                    \
-    float *out, const float *q, const float *k_pool, const float *v_pool, const int *tables,      \
+#define PA_ARGS(KV)                                                                                \
+    float *out, const float *q, const KV *k_pool, const KV *v_pool, const int *tables,            \
         int max_blocks, const int *seg, const int *ctx, const int *hide, const int *tiles,        \
         int heads, int kv_heads, int hd, int bs, float scale, int bf16
 #define PA_CALL(HD)                                                                                \
@@ -419,16 +432,29 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
     pa::prefill<HD, PA_BN(HD)>(out, q, k_pool, v_pool, tables, max_blocks, seg, ctx, hide, tiles,  \
                                heads, kv_heads, hd, bs, scale, bf16, pa_smem)
 
-extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_hd32(PA_ARGS) {
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_hd32(PA_ARGS(float)) {
     TD_SCOPE("prefill_attention_hd32");
     PA_CALL(32);
 }
-extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_hd64(PA_ARGS) {
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_hd64(PA_ARGS(float)) {
     TD_SCOPE("prefill_attention_hd64");
     PA_CALL(64);
 }
-extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_hd128(PA_ARGS) {
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_hd128(PA_ARGS(float)) {
     TD_SCOPE("prefill_attention_hd128");
+    PA_CALL(128);
+}
+// The same over a kv_dtype=bf16 pool (K/V as bf16 bits, widened to f32 as staged).
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_bf16kv_hd32(PA_ARGS(unsigned short)) {
+    TD_SCOPE("prefill_attention_bf16kv_hd32");
+    PA_CALL(32);
+}
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_bf16kv_hd64(PA_ARGS(unsigned short)) {
+    TD_SCOPE("prefill_attention_bf16kv_hd64");
+    PA_CALL(64);
+}
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_bf16kv_hd128(PA_ARGS(unsigned short)) {
+    TD_SCOPE("prefill_attention_bf16kv_hd128");
     PA_CALL(128);
 }
 

@@ -944,8 +944,8 @@ fn cuda_megakernel_is_bit_identical_to_the_separate_kernels() {
     // the separate kernels' device functions over the same virtual blocks: every teacher-forced
     // logprob must have the same bits as without it (a missing barrier or a stale read would
     // show here), on head_dim 64 (GQA 8/2, a down projection split over 2 warps) and 128 (4/1,
-    // q/k/v biases, split over 4), under the toggles the path takes, with graphs, and with FP8
-    // KV. The contexts (300-420 prompt + 90 forced tokens) span 3-4 attention splits of the
+    // q/k/v biases, split over 4), under the toggles the path takes, with graphs, with FP8
+    // KV and with a bf16 pool (`decode_step_bf16kv`). The contexts (300-420 prompt + 90 forced tokens) span 3-4 attention splits of the
     // default 128-position floor, so the split merge runs too (run it also with
     // TAPEDECK_MMA_MERGE=in-kernel: the separate mma kernel then merges in its own 128-thread
     // blocks, the persistent kernel with the 256-thread combine, and the bits must agree). The
@@ -963,7 +963,13 @@ fn cuda_megakernel_is_bit_identical_to_the_separate_kernels() {
         let all = [p.clone(), forced].concat();
         let score = |t: &str| forced_decode(&gpu, &all, p.len(), t);
         let base = "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv";
-        for extra in ["", ",cuda_graphs=on", ",kv_dtype=fp8-e4m3", ",pdl=on"] {
+        for extra in [
+            "",
+            ",cuda_graphs=on",
+            ",kv_dtype=fp8-e4m3",
+            ",kv_dtype=bf16",
+            ",pdl=on",
+        ] {
             let plain = score(&format!("{base}{extra}"));
             let before = tapedeck_engine::cuda::persistent_steps();
             let mk = score(&format!("{base}{extra},megakernel=on"));
@@ -997,6 +1003,19 @@ fn batched_decode(
     steps: &[Vec<u32>],
     toggles: &Toggles,
 ) -> Vec<Vec<f32>> {
+    batched_decode_in(e, prompts, steps, usize::MAX, toggles, toggles.kv_dtype)
+}
+
+/// [`batched_decode`] with the prompts prefilled together in chunks of `chunk` tokens (one pass
+/// per chunk, every prompt with tokens left in it), in a pool storing `storage`.
+fn batched_decode_in(
+    e: &Engine,
+    prompts: &[Vec<u32>],
+    steps: &[Vec<u32>],
+    chunk: usize,
+    toggles: &Toggles,
+    storage: KvDtype,
+) -> Vec<Vec<f32>> {
     let bs = 16;
     let need: Vec<usize> = prompts
         .iter()
@@ -1005,7 +1024,7 @@ fn batched_decode(
         .collect();
     let mut pool = e
         .backend()
-        .new_pool(bs, need.iter().sum(), toggles.kv_dtype)
+        .new_pool(bs, need.iter().sum(), storage)
         .unwrap();
     let mut next = 0u32;
     let mut tables: Vec<BlockTable> = need
@@ -1031,12 +1050,21 @@ fn batched_decode(
             fault_chunk_boundary: false,
         }
     }
-    let mut segs: Vec<Segment> = prompts
-        .iter()
-        .zip(tables.iter_mut())
-        .map(|(p, t)| seg(p.as_slice(), t, false, WantLogits::None))
-        .collect();
-    e.backend().forward(&mut pool, &mut segs, toggles).unwrap();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let mut at = 0;
+    while at < longest {
+        let mut segs: Vec<Segment> = prompts
+            .iter()
+            .zip(tables.iter_mut())
+            .filter(|(p, _)| p.len() > at)
+            .map(|(p, t)| {
+                let piece = &p[at..p.len().min(at.saturating_add(chunk))];
+                seg(piece, t, false, WantLogits::None)
+            })
+            .collect();
+        e.backend().forward(&mut pool, &mut segs, toggles).unwrap();
+        at = at.saturating_add(chunk);
+    }
     let mut rows = Vec::new();
     for j in 0..steps[0].len() {
         let mut segs: Vec<Segment> = steps
@@ -1049,6 +1077,86 @@ fn batched_decode(
         }
     }
     rows
+}
+
+#[test]
+fn cuda_bf16_kv_pool_is_bit_identical_to_an_f32_pool() {
+    // A kv_dtype=bf16 pool stores bf16 bits (the `_bf16kv` kernels), an f32 pool the same values
+    // as f32: every kernel that writes or reads the cache must give the same logits bit for bit,
+    // at half the bytes. Three sequences prefilled together in chunks of 48 (the tiled prefill
+    // kernel over context written by earlier chunks), then decoded together, under the SIMT
+    // kernels, the tensor-core decode kernel, the sparse top-k path, the fused q/k/v + RoPE + KV
+    // write GEMV, and graphs; head_dim 64 (GQA 8/2) and 128 (4/1, biases). Then the scheduler's
+    // pool: twice the blocks in the same budget, and it says it stores bf16.
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let gemv = "matmul=bf16,small_gemm=gemv,attn_decode=mma-bf16";
+    for spec in decode_shapes("bf16kv") {
+        let gpu = Arc::new(build_on_gpu(dir.path(), &spec));
+        let mut r = rng();
+        let prompts: Vec<Vec<u32>> = [r.random_range(200..320), r.random_range(60..140), 17]
+            .into_iter()
+            .map(|n| tokens(&gpu, n, &mut r))
+            .collect();
+        let steps: Vec<Vec<u32>> = (0..3).map(|_| tokens(&gpu, 12, &mut r)).collect();
+        for extra in [
+            "",
+            ",attn_decode=mma-bf16,attn_scores=bf16",
+            ",decode_topk=24",
+            &format!(",{gemv},fuse=on,pdl=on"),
+            &format!(",{gemv},cuda_graphs=on"),
+        ] {
+            let t: Toggles = format!("kv_dtype=bf16{extra}").parse().unwrap();
+            let wide = batched_decode_in(&gpu, &prompts, &steps, 48, &t, KvDtype::F32);
+            let packed = batched_decode_in(&gpu, &prompts, &steps, 48, &t, KvDtype::Bf16);
+            let same = wide.len() == packed.len()
+                && wide.iter().zip(&packed).all(|(x, y)| {
+                    x.iter()
+                        .map(|v| v.to_bits())
+                        .eq(y.iter().map(|v| v.to_bits()))
+                });
+            println!(
+                "{} [kv_dtype=bf16{extra}] bf16 pool vs f32 pool: identical {same}, worst rel L2 \
+                 {:e}",
+                spec.name,
+                worst(&packed, &wide)
+            );
+            assert!(
+                same,
+                "{} [{extra}]: the bf16 pool changed the logits",
+                spec.name
+            );
+        }
+        let start = |kv_dtype| {
+            EngineHandle::start(
+                gpu.clone(),
+                SchedulerConfig {
+                    kv_budget_bytes: 8 << 20,
+                    kv_dtype,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        };
+        let blocks = |h: &EngineHandle| {
+            h.stats()
+                .kv_blocks_total
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        let (wide, packed) = (start(KvDtype::F32), start(KvDtype::Bf16));
+        assert_eq!(packed.kv_storage(), KvDtype::Bf16);
+        assert_eq!(wide.kv_storage(), KvDtype::F32);
+        assert!(
+            blocks(&packed).abs_diff(2 * blocks(&wide)) <= 1,
+            "{}: {} bf16 blocks vs {} f32 blocks",
+            spec.name,
+            blocks(&packed),
+            blocks(&wide)
+        );
+    }
 }
 
 #[test]

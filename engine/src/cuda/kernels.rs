@@ -54,8 +54,15 @@ pub const ENGINE: KernelSource = KernelSource {
         "gemv_bf16_qkv_rope_2",
         "gemv_bf16_qkv_rope_3",
         "gemv_bf16_qkv_rope_4",
+        "gemv_bf16_qkv_rope_bf16kv_1",
+        "gemv_bf16_qkv_rope_bf16kv_2",
+        "gemv_bf16_qkv_rope_bf16kv_3",
+        "gemv_bf16_qkv_rope_bf16kv_4",
+        "rope_kv_write_bf16kv",
         "attention",
+        "attention_bf16kv",
         "attention_scores",
+        "attention_scores_bf16kv",
         "topk_mask",
         "pick_partial",
         "pick_finish",
@@ -74,6 +81,9 @@ pub const PREFILL: KernelSource = KernelSource {
         "prefill_attention_hd32",
         "prefill_attention_hd64",
         "prefill_attention_hd128",
+        "prefill_attention_bf16kv_hd32",
+        "prefill_attention_bf16kv_hd64",
+        "prefill_attention_bf16kv_hd128",
     ],
 };
 
@@ -116,7 +126,7 @@ pub const DECODE_STEP: KernelSource = KernelSource {
         include_str!("../../../kernels/decode_attention_mma.cu"),
         include_str!("../../../kernels/decode_step.cu")
     ),
-    entry_points: &["decode_step", "grid_sync_bench"],
+    entry_points: &["decode_step", "decode_step_bf16kv", "grid_sync_bench"],
 };
 
 /// The o projection that merges the mma decode kernel's splits as it reads them (`fuse=on`):

@@ -130,29 +130,80 @@ impl Drop for DevBuf {
 unsafe impl Send for DevBuf {}
 unsafe impl Sync for DevBuf {}
 
+/// What a device KV pool's elements are. Every kernel that reads or writes the pool comes in one
+/// variant per element type (the `_bf16kv` entry points read and write bf16 bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum KvElem {
+    /// f32: holds any `kv_dtype` as f32 of the rounded values (FP8 is stored this way on the GPU).
+    F32,
+    /// bf16 bits: a `kv_dtype=bf16` pool at half the bytes, reading back the same f32 values.
+    Bf16,
+}
+
+impl KvElem {
+    /// The element type a pool for `dtype` stores.
+    fn for_dtype(dtype: KvDtype) -> Self {
+        match dtype {
+            KvDtype::Bf16 => KvElem::Bf16,
+            KvDtype::F32 | KvDtype::Fp8E4m3 => KvElem::F32,
+        }
+    }
+
+    /// Bytes per element.
+    fn bytes(self) -> usize {
+        match self {
+            KvElem::F32 => 4,
+            KvElem::Bf16 => 2,
+        }
+    }
+
+    /// The `kv_dtype` values a pool of this element type holds exactly ([`KvDtype::holds`]).
+    pub(crate) fn dtype(self) -> KvDtype {
+        match self {
+            KvElem::F32 => KvDtype::F32,
+            KvElem::Bf16 => KvDtype::Bf16,
+        }
+    }
+
+    /// Index into the per-element-type kernel sets.
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The suffix of the kernels' entry points for this element type.
+    fn suffix(self) -> &'static str {
+        match self {
+            KvElem::F32 => "",
+            KvElem::Bf16 => "_bf16kv",
+        }
+    }
+}
+
 /// The KV pool's device storage: per layer, keys and values `(num_blocks, block_size, kv_heads,
-/// head_dim)` in f32.
+/// head_dim)` of one element type.
 #[derive(Debug)]
 pub struct DeviceKv {
     k: Vec<DevBuf>,
     v: Vec<DevBuf>,
-    /// f32 elements per layer in use.
+    /// Elements per layer in use.
     per_layer: usize,
+    elem: KvElem,
     ctx: Arc<CudaContext>,
 }
 
 impl DeviceKv {
-    fn new(ctx: &Arc<CudaContext>, layers: usize, per_layer: usize) -> Result<Self> {
+    fn new(ctx: &Arc<CudaContext>, layers: usize, per_layer: usize, elem: KvElem) -> Result<Self> {
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
         for _ in 0..layers {
-            k.push(DevBuf::new(ctx, per_layer * 4)?);
-            v.push(DevBuf::new(ctx, per_layer * 4)?);
+            k.push(DevBuf::new(ctx, per_layer * elem.bytes())?);
+            v.push(DevBuf::new(ctx, per_layer * elem.bytes())?);
         }
         Ok(DeviceKv {
             k,
             v,
             per_layer,
+            elem,
             ctx: ctx.clone(),
         })
     }
@@ -162,19 +213,25 @@ impl DeviceKv {
         self.k.len()
     }
 
-    /// Grows every layer to `per_layer` f32 elements, keeping what is stored (capacity doubles, so
+    /// The `kv_dtype` the elements are stored as (see [`KvElem::dtype`]).
+    pub fn storage_dtype(&self) -> KvDtype {
+        self.elem.dtype()
+    }
+
+    /// Grows every layer to `per_layer` elements, keeping what is stored (capacity doubles, so
     /// a sequence growing one block at a time copies O(n) in total).
     pub(crate) fn grow(&mut self, per_layer: usize) -> Result<()> {
         if per_layer <= self.per_layer {
             return Ok(());
         }
-        if per_layer * 4 > self.k.first().map_or(0, |b| b.bytes) {
-            let cap = (per_layer * 4).max(2 * self.k.first().map_or(0, |b| b.bytes));
+        let eb = self.elem.bytes();
+        if per_layer * eb > self.k.first().map_or(0, |b| b.bytes) {
+            let cap = (per_layer * eb).max(2 * self.k.first().map_or(0, |b| b.bytes));
             for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
                 let new = DevBuf::new(&self.ctx, cap)?;
                 if self.per_layer > 0 {
-                    // SAFETY: both buffers are at least `per_layer * 4` bytes.
-                    unsafe { dr::memcpy_dtod_sync(new.ptr, buf.ptr, self.per_layer * 4) }
+                    // SAFETY: both buffers are at least `per_layer * eb` bytes.
+                    unsafe { dr::memcpy_dtod_sync(new.ptr, buf.ptr, self.per_layer * eb) }
                         .map_err(|e| dev_err("growing the KV cache", e))?;
                 }
                 *buf = new;
@@ -282,6 +339,8 @@ struct RopeArgs {
     kv_heads: usize,
     head_dim: usize,
     kv_mode: usize,
+    /// The pool's element type (which kernel variant writes it).
+    elem: KvElem,
 }
 
 impl RopeArgs {
@@ -356,11 +415,22 @@ struct DevLayer {
     down: DevLinear,
 }
 
+/// The kernels that read or write the KV pool, for one element type ([`KvElem`]).
+struct PoolKernels {
+    rope_kv_write: CudaFunction,
+    /// q/k/v with RoPE and the KV write in the epilogue (`fuse=on`), per row count like `gemv`.
+    gemv_qkv_rope: Vec<CudaFunction>,
+    attention: CudaFunction,
+    attention_scores: CudaFunction,
+    decode_mma: CudaFunction,
+    /// The tiled prefill kernel for this model's head_dim (none for other head dims).
+    prefill: Option<CudaFunction>,
+}
+
 /// Loaded kernel entry points.
 struct Kernels {
     embed_gather: CudaFunction,
     rms_norm: CudaFunction,
-    rope_kv_write: CudaFunction,
     silu_mul: CudaFunction,
     scatter_rows: CudaFunction,
     add_inplace: CudaFunction,
@@ -369,19 +439,22 @@ struct Kernels {
     /// The GEMV kernels for 1..=GEMV_MAX_ROWS rows (index rows - 1).
     gemv: Vec<CudaFunction>,
     gemv_swiglu: Vec<CudaFunction>,
-    /// q/k/v with RoPE and the KV write in the epilogue, and the o projection that merges the
-    /// mma kernel's splits as it reads them (`fuse=on`), per row count like `gemv`.
-    gemv_qkv_rope: Vec<CudaFunction>,
+    /// The o projection that merges the mma kernel's splits as it reads them (`fuse=on`), per
+    /// row count like `gemv`.
     gemv_merged: Vec<CudaFunction>,
-    attention: CudaFunction,
-    attention_scores: CudaFunction,
     topk_mask: CudaFunction,
-    decode_mma: CudaFunction,
     decode_combine: CudaFunction,
     pick_partial: CudaFunction,
     pick_finish: CudaFunction,
-    /// The tiled prefill kernel for this model's head_dim (none for other head dims).
-    prefill: Option<CudaFunction>,
+    /// The pool's readers and writers, indexed by [`KvElem::index`].
+    pool: [PoolKernels; 2],
+}
+
+impl Kernels {
+    /// The pool kernels for pools of `elem`.
+    fn pool(&self, elem: KvElem) -> &PoolKernels {
+        &self.pool[elem.index()]
+    }
 }
 
 /// A compiled kernel file on the device, pointed at the kernel timeline when tracing.
@@ -445,20 +518,41 @@ impl Kernels {
                 .collect::<Result<Vec<_>>>()
         };
         let prefill = match head_dim {
-            32 | 64 | 128 => Some(load_with_smem(
-                &load_module(ctx, &kernels::PREFILL, arch, trace)?,
-                &format!("prefill_attention_hd{head_dim}"),
-                kernels::prefill_smem(head_dim),
-            )?),
+            32 | 64 | 128 => Some(load_module(ctx, &kernels::PREFILL, arch, trace)?),
             _ => None,
         };
+        let pool = |elem: KvElem| -> Result<PoolKernels> {
+            let sfx = elem.suffix();
+            Ok(PoolKernels {
+                rope_kv_write: f(&format!("rope_kv_write{sfx}"))?,
+                gemv_qkv_rope: rows(&module, &format!("gemv_bf16_qkv_rope{sfx}"))?,
+                attention: f(&format!("attention{sfx}"))?,
+                attention_scores: f(&format!("attention_scores{sfx}"))?,
+                decode_mma: load_with_smem(
+                    &mma,
+                    match elem {
+                        KvElem::F32 => "decode_attn_mma_f32kv",
+                        KvElem::Bf16 => "decode_attn_mma_bf16kv",
+                    },
+                    kernels::DECODE_MMA_SMEM,
+                )?,
+                prefill: prefill
+                    .as_ref()
+                    .map(|m| {
+                        load_with_smem(
+                            m,
+                            &format!("prefill_attention{sfx}_hd{head_dim}"),
+                            kernels::prefill_smem(head_dim),
+                        )
+                    })
+                    .transpose()?,
+            })
+        };
         Ok(Kernels {
-            prefill,
-            decode_mma: load_with_smem(&mma, "decode_attn_mma_f32kv", kernels::DECODE_MMA_SMEM)?,
+            pool: [pool(KvElem::F32)?, pool(KvElem::Bf16)?],
             decode_combine: load_function(&mma, "decode_attn_combine")?,
             embed_gather: f("embed_gather")?,
             rms_norm: f("rms_norm")?,
-            rope_kv_write: f("rope_kv_write")?,
             silu_mul: f("silu_mul")?,
             scatter_rows: f("scatter_rows")?,
             add_inplace: f("add_inplace")?,
@@ -466,10 +560,7 @@ impl Kernels {
             f32_to_bf16: f("f32_to_bf16")?,
             gemv: rows(&module, "gemv_bf16")?,
             gemv_swiglu: rows(&module, "gemv_bf16_swiglu")?,
-            gemv_qkv_rope: rows(&module, "gemv_bf16_qkv_rope")?,
             gemv_merged: rows(&fused, "gemv_bf16_merged")?,
-            attention: f("attention")?,
-            attention_scores: f("attention_scores")?,
             topk_mask: f("topk_mask")?,
             pick_partial: f("pick_partial")?,
             pick_finish: f("pick_finish")?,
@@ -1204,7 +1295,7 @@ impl Gpu {
         let pairs = (rope.heads + 2 * rope.kv_heads) * rope.head_dim / 2;
         rope.append(a).launch_pdl(
             &self.stream,
-            gemv_for(&self.k.gemv_qkv_rope, n)?,
+            gemv_for(&self.k.pool(rope.elem).gemv_qkv_rope, n)?,
             (pairs.div_ceil(GEMV_WARPS), 1, 1),
             32 * GEMV_WARPS,
             smem,
@@ -1275,11 +1366,12 @@ impl Backend for CudaBackend {
         &self.cfg
     }
 
-    /// Device pools store f32 holding the rounded values whatever `kv_dtype` asks for: every
-    /// kernel reads f32 keys and values today.
-    fn new_pool(&self, block_size: usize, num_blocks: usize, _dtype: KvDtype) -> Result<KvPool> {
+    /// A bf16 pool stores bf16 bits (half an f32 pool's bytes); f32 and FP8 pools store f32 (FP8
+    /// as f32 of the rounded values: no kernel reads FP8 codes yet).
+    fn new_pool(&self, block_size: usize, num_blocks: usize, dtype: KvDtype) -> Result<KvPool> {
         let per_layer = num_blocks * block_size * self.cfg.num_kv_heads * self.cfg.head_dim;
-        let kv = DeviceKv::new(&self.ctx, self.cfg.num_layers, per_layer)?;
+        let elem = KvElem::for_dtype(dtype);
+        let kv = DeviceKv::new(&self.ctx, self.cfg.num_layers, per_layer, elem)?;
         Ok(KvPool::on_device(&self.cfg, block_size, num_blocks, kv))
     }
 
@@ -1450,6 +1542,7 @@ impl Inner {
         let tile_tokens = self
             .gpu
             .k
+            .pool(kv.elem)
             .prefill
             .as_ref()
             .map(|_| kernels::PREFILL_ROWS / (cfg.num_heads / cfg.num_kv_heads))
@@ -1734,6 +1827,7 @@ impl Inner {
         );
         let s = &self.gpu.stream;
         let kn = &self.gpu.k;
+        let pk = kn.pool(kv.elem);
         let elementwise = (n * h).div_ceil(256);
         Args::new()
             .p(x)
@@ -1745,7 +1839,7 @@ impl Inner {
             self.mega
                 .as_ref()
                 .ok_or_else(|| Error::Device("the decode step kernel is not loaded".into()))?
-                .launch(s, params, *smem)?;
+                .launch(s, params, *smem, kv.elem)?;
             return self.record_picks(pass);
         }
         // RMSNorm of `rows` rows of `src`, written as the next GEMM's input: f32 into `xn`, or
@@ -1799,6 +1893,7 @@ impl Inner {
                 kv_heads: nkv,
                 head_dim: hd,
                 kv_mode: pass.kv_mode,
+                elem: kv.elem,
             };
             if rope_fused {
                 self.gpu
@@ -1818,7 +1913,7 @@ impl Inner {
             if !rope_fused {
                 rope.append(Args::new()).launch_pdl(
                     s,
-                    &kn.rope_kv_write,
+                    &pk.rope_kv_write,
                     (n, nh + nkv, 1),
                     hd.div_ceil(32) * 32,
                     0,
@@ -1838,9 +1933,9 @@ impl Inner {
             let heads = |a: Args, bf16: usize| a.i(nh).i(nkv).i(hd).i(bs).f(pass.scale).i(bf16);
             let attention = |rows: u64, n_rows: usize, scores: u64, stride: usize, bf16: usize| {
                 let a = context(Args::new().p(att).p(q).p(kp).p(vp), rows);
-                heads(a.p(scores).i(stride), bf16).launch(s, &kn.attention, (n_rows, nh), 128)
+                heads(a.p(scores).i(stride), bf16).launch(s, &pk.attention, (n_rows, nh), 128)
             };
-            if let (Some(f), 1..) = (&kn.prefill, meta.n_tiles) {
+            if let (Some(f), 1..) = (&pk.prefill, meta.n_tiles) {
                 // Prompt chunks through the tiled kernel (same arguments as `attention`, with
                 // the tile list where it takes rows and scores).
                 let a = context(Args::new().p(att).p(q).p(kp).p(vp), mi(meta.tiles));
@@ -1861,7 +1956,7 @@ impl Inner {
             let (rows, nr) = (mi(meta.decode_rows), meta.n_decode_rows);
             if let Some((top_k, scores, stride)) = pass.topk {
                 let a = context(Args::new().p(scores).i(stride).p(q).p(kp), rows);
-                heads(a, pass.decode_bf16).launch(s, &kn.attention_scores, (nr, nh), 128)?;
+                heads(a, pass.decode_bf16).launch(s, &pk.attention_scores, (nr, nh), 128)?;
                 Args::new()
                     .p(scores)
                     .i(stride)
@@ -1902,7 +1997,7 @@ impl Inner {
                     .p(m.done)
                     .launch_pdl(
                         s,
-                        &kn.decode_mma,
+                        &pk.decode_mma,
                         (nkv, nr, m.max_splits),
                         128,
                         kernels::DECODE_MMA_SMEM,

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 
 use super::{bias, dev_err, kernels, launch_ex, load_module, load_with_smem, LaunchAttr};
-use super::{DevBuf, DevLayer, DeviceKv};
+use super::{DevBuf, DevLayer, DeviceKv, KvElem};
 use crate::error::{Error, Result};
 
 /// One layer's device pointers, as `MkLayer` in decode_step.cu (same order).
@@ -88,7 +88,8 @@ pub(super) struct MkParams {
 
 /// The compiled kernel, its launch size and its device state.
 pub(super) struct Megakernel {
-    func: CudaFunction,
+    /// `decode_step` and `decode_step_bf16kv`, indexed by [`KvElem::index`].
+    funcs: [CudaFunction; 2],
     /// `grid_sync_bench`: the barrier alone (for [`super::check::grid_barrier`]).
     bench: CudaFunction,
     /// Blocks per launch: every multiprocessor times the blocks that fit on one, so all are
@@ -116,11 +117,18 @@ impl Megakernel {
         trace: Option<(&super::trace::Trace, &Arc<CudaStream>)>,
     ) -> Result<Self> {
         let module = load_module(ctx, &kernels::DECODE_STEP, arch, trace)?;
-        let func = load_with_smem(&module, "decode_step", smem)?;
-        let per_sm = func
-            .occupancy_max_active_blocks_per_multiprocessor(THREADS as u32, smem, None)
-            .map_err(|e| dev_err("the decode step kernel's occupancy", e))?
-            as usize;
+        let funcs = [
+            load_with_smem(&module, "decode_step", smem)?,
+            load_with_smem(&module, "decode_step_bf16kv", smem)?,
+        ];
+        // One grid for both variants: the smaller residency of the two.
+        let mut per_sm = usize::MAX;
+        for func in &funcs {
+            let n = func
+                .occupancy_max_active_blocks_per_multiprocessor(THREADS as u32, smem, None)
+                .map_err(|e| dev_err("the decode step kernel's occupancy", e))?;
+            per_sm = per_sm.min(n as usize);
+        }
         if per_sm == 0 {
             return Err(Error::Device(
                 "the decode step kernel does not fit on a multiprocessor".into(),
@@ -128,7 +136,7 @@ impl Megakernel {
         }
         Ok(Megakernel {
             bench: super::load_function(&module, "grid_sync_bench")?,
-            func,
+            funcs,
             grid: sms * per_sm,
             bar: DevBuf::from_slice(ctx, &[0u32; 2])?,
             done: DevBuf::from_slice(ctx, &vec![0u32; kv_heads])?,
@@ -203,13 +211,20 @@ impl Megakernel {
             .map_err(|e| dev_err("launching the grid barrier benchmark", e))
     }
 
-    /// Launches one step on `stream` (capturable: no copies, no allocation).
-    pub(super) fn launch(&self, stream: &CudaStream, params: &MkParams, smem: usize) -> Result<()> {
+    /// Launches one step on `stream` over a pool of `elem` (capturable: no copies, no
+    /// allocation).
+    pub(super) fn launch(
+        &self,
+        stream: &CudaStream,
+        params: &MkParams,
+        smem: usize,
+        elem: KvElem,
+    ) -> Result<()> {
         let mut p = *params;
         let mut args = [&mut p as *mut MkParams as *mut c_void];
         // SAFETY: the kernel takes one `MkParams` by value, laid out as this `repr(C)` struct;
         // every pointer in it is a live device buffer of the shapes it names.
-        unsafe { self.cooperative(&self.func, stream, smem, &mut args) }
+        unsafe { self.cooperative(&self.funcs[elem.index()], stream, smem, &mut args) }
             .map_err(|e| dev_err("launching the decode step kernel", e))
     }
 

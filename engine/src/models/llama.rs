@@ -182,7 +182,7 @@ impl Logits {
 /// one storage type: the CPU backend stores a `kv_dtype` in that type's own size (see
 /// [`crate::kv_host`]), so a bf16 pool holds twice the tokens of an f32 one and an FP8 pool
 /// nearly four times; an f32 pool holds any `kv_dtype` as f32 holding the rounded values (what the
-/// CUDA backend does today). The layout is (block, position, KV head, head_dim) either way.
+/// CUDA backend does for FP8 today; it stores bf16 as bf16). The layout is (block, position, KV head, head_dim) either way.
 #[derive(Debug)]
 pub struct KvPool {
     block_size: usize,
@@ -201,7 +201,7 @@ pub(crate) enum KvStorage {
         k: Vec<HostRows>,
         v: Vec<HostRows>,
     },
-    /// The same layout in GPU memory (f32).
+    /// The same layout in GPU memory (bf16 bits for a bf16 pool, else f32).
     Cuda(crate::cuda::DeviceKv),
 }
 
@@ -248,7 +248,7 @@ impl KvPool {
     pub fn storage_dtype(&self) -> KvDtype {
         match &self.storage {
             KvStorage::Host { dtype, .. } => *dtype,
-            KvStorage::Cuda(_) => KvDtype::F32,
+            KvStorage::Cuda(kv) => kv.storage_dtype(),
         }
     }
 
