@@ -296,10 +296,10 @@ __device__ __forceinline__ void mk_attention(const MkParams& p, const MkLayer& L
         const int kvh = it % p.kv_heads, split = it / p.kv_heads;
         float* qs = p.q_scr + (size_t)split * p.heads * D;
         for (int j = 0; j < group; j++)
-            rope_kv_head(p.q, qs, p.k, p.v, k_pool, v_pool, p.pos, p.inv_freq, p.slots, p.heads, p.kv_heads,
+            rope_kv_head(p.q, qs, p.k, p.v, k_pool, v_pool, (float*)0, (float*)0, p.pos, p.inv_freq, p.slots, p.heads, p.kv_heads,
                          D, p.kv_mode, 0, kvh * group + j);
         if (split == ns - 1)
-            rope_kv_head(p.q, qs, p.k, p.v, k_pool, v_pool, p.pos, p.inv_freq, p.slots, p.heads, p.kv_heads,
+            rope_kv_head(p.q, qs, p.k, p.v, k_pool, v_pool, (float*)0, (float*)0, p.pos, p.inv_freq, p.slots, p.heads, p.kv_heads,
                          D, p.kv_mode, 0, p.heads + kvh);
         __threadfence();  // the new key and value reach L2 before the cp.async tile loads read them
         __syncthreads();

@@ -34,18 +34,6 @@ __device__ __forceinline__ bf16_t f32_to_bf16_bits(float x) {
     return (bf16_t)(__float_as_uint(round_bf16(x)) >> 16);
 }
 
-// One element of a KV pool, whose storage is f32 (any kv_dtype, held as f32 of the rounded value)
-// or bf16 bits (a kv_dtype=bf16 pool, half the bytes). The kernels that read or write the pool
-// are templates over the element type, instantiated for both (the `_bf16kv` entry points); a
-// bf16 pool only ever receives values already rounded to bf16, so storing them is exact and the
-// two pools read back the same f32 bits.
-__device__ __forceinline__ float kv_get(const float* p, size_t i) { return p[i]; }
-__device__ __forceinline__ float kv_get(const bf16_t* p, size_t i) {
-    return __uint_as_float((unsigned int)p[i] << 16);
-}
-__device__ __forceinline__ void kv_put(float* p, size_t i, float x) { p[i] = x; }
-__device__ __forceinline__ void kv_put(bf16_t* p, size_t i, float x) { p[i] = f32_to_bf16_bits(x); }
-
 // Round to the nearest FP8 E4M3 (e4m3fn) value, ties to even, saturating at +-448
 // (as numerics::round_fp8_e4m3).
 __device__ __forceinline__ float round_fp8_e4m3(float x) {
@@ -58,6 +46,79 @@ __device__ __forceinline__ float round_fp8_e4m3(float x) {
     float r = rintf(a / quantum) * quantum;
     return copysignf(fminf(r, 448.0f), x);
 }
+
+typedef unsigned char fp8_t;
+
+// The value of an FP8 E4M3 (e4m3fn) code: 0x7f and 0xff are NaN, there are no infinities
+// (numerics::fp8_e4m3_value).
+__device__ __forceinline__ float fp8_e4m3_value(unsigned int c) {
+    unsigned int e = (c >> 3) & 15u, m = c & 7u;
+    float a;
+    if (e == 15u && m == 7u)
+        a = __uint_as_float(0x7fc00000u);
+    else if (e == 0u)
+        a = (float)m * 0.001953125f;  // subnormal: m * 2^-9
+    else
+        a = __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (c & 0x80u) ? -a : a;
+}
+
+// The code of round_fp8_e4m3(x) (numerics::fp8_e4m3_bits).
+__device__ __forceinline__ fp8_t fp8_e4m3_bits(float x) {
+    float r = round_fp8_e4m3(x);
+    if (isnan(r)) return 0x7f;
+    unsigned int sign = signbit(r) ? 0x80u : 0u;
+    float a = fabsf(r);
+    if (a == 0.0f) return (fp8_t)sign;
+    if (a < 0.015625f) return (fp8_t)(sign | (unsigned int)(a * 512.0f));  // a multiple of 2^-9
+    unsigned int b = __float_as_uint(a);
+    return (fp8_t)(sign | ((((b >> 23) - 120u) & 15u) << 3) | ((b >> 20) & 7u));
+}
+
+// The scale of one head of FP8 E4M3 KV storage: amax / 448; 0 for an all-zero head (its codes
+// keep the signs), NaN when amax is not finite (the head reads NaN), as kv_host.rs stores it.
+__device__ __forceinline__ float fp8_head_scale(float amax) {
+    if (amax == 0.0f) return 0.0f;
+    return isfinite(amax) ? amax / 448.0f : __uint_as_float(0x7fc00000u);
+}
+
+// The FP8 code of x in a head of this scale, and in *value what the pool reads back for it
+// (code value * scale; x itself, a signed zero, for an all-zero head).
+__device__ __forceinline__ fp8_t fp8_store(float x, float scale, float* value) {
+    if (scale == 0.0f) {
+        *value = x;
+        return signbit(x) ? 0x80 : 0;
+    }
+    if (isnan(scale)) {
+        *value = scale;
+        return 0x7f;
+    }
+    fp8_t c = fp8_e4m3_bits(x / scale);
+    *value = fp8_e4m3_value(c) * scale;
+    return c;
+}
+
+// One element of a KV pool, whose storage is f32 (any kv_dtype, held as f32 of the rounded
+// value), bf16 bits (a kv_dtype=bf16 pool, half the bytes) or FP8 E4M3 codes with one f32 scale
+// per token and KV head (a kv_dtype=fp8-e4m3 pool). The kernels that read or write the pool are
+// templates over the element type, instantiated for each (the `_bf16kv` and `_fp8kv` entry
+// points); a packed pool only ever receives values already rounded to its type, so all three
+// read back the same f32 bits. Readers take the row's scale once (kv_row_scale: 1 but for FP8)
+// and pass it to every kv_get of the row.
+__device__ __forceinline__ float kv_row_scale(const float*, const float*, size_t, int) { return 1.0f; }
+__device__ __forceinline__ float kv_row_scale(const bf16_t*, const float*, size_t, int) { return 1.0f; }
+__device__ __forceinline__ float kv_row_scale(const fp8_t*, const float* scales, size_t off, int hd) {
+    return scales[off / hd];
+}
+__device__ __forceinline__ float kv_get(const float* p, size_t i, float) { return p[i]; }
+__device__ __forceinline__ float kv_get(const bf16_t* p, size_t i, float) {
+    return __uint_as_float((unsigned int)p[i] << 16);
+}
+__device__ __forceinline__ float kv_get(const fp8_t* p, size_t i, float scale) {
+    return fp8_e4m3_value(p[i]) * scale;
+}
+__device__ __forceinline__ void kv_put(float* p, size_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void kv_put(bf16_t* p, size_t i, float x) { p[i] = f32_to_bf16_bits(x); }
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -605,11 +666,13 @@ __device__ __forceinline__ void rope_rotate(float a, float b, int pos, float inv
 // every thread of a block wider than rope_kv_write's, compute nothing and write nothing): shared
 // with the persistent decode kernel (decode_step.cu), which writes rotated queries to q_out (the
 // same layout as q) instead of in place.
+// k_scale, v_scale: an FP8 pool's per-(token, KV head) scales (unused for the other pools).
 template <typename KV>
 __device__ __forceinline__ void rope_kv_head(float* q, float* q_out, float* k, float* v, KV* k_pool,
-                                             KV* v_pool, const int* pos,
-                                             const float* inv_freq, const int* slots, int heads,
-                                             int kv_heads, int hd, int mode, int t, int h) {
+                                             KV* v_pool, float* k_scale, float* v_scale,
+                                             const int* pos, const float* inv_freq,
+                                             const int* slots, int heads, int kv_heads, int hd,
+                                             int mode, int t, int h) {
     __shared__ float s32[32];
     __shared__ float rotated[256];
     int d = threadIdx.x, half = hd / 2;
@@ -635,9 +698,17 @@ __device__ __forceinline__ void rope_kv_head(float* q, float* q_out, float* k, f
     size_t src = ((size_t)t * kv_heads + kvh) * hd + d;
     float kx = live ? rotated[d] : 0.0f;
     float vx = live ? v[src] : 0.0f;
+    fp8_t kc = 0, vc = 0;
+    float ks = 0.0f, vs = 0.0f;
     if (mode == 1) {
         kx = round_bf16(kx);
         vx = round_bf16(vx);
+    } else if (mode == 2 && sizeof(KV) == 1) {
+        // An FP8 pool: codes and one scale per head, as kv_host.rs stores them.
+        ks = fp8_head_scale(block_max(fabsf(kx), s32));
+        vs = fp8_head_scale(block_max(fabsf(vx), s32));
+        kc = fp8_store(kx, ks, &kx);
+        vc = fp8_store(vx, vs, &vx);
     } else if (mode == 2) {
         float ka = block_max(fabsf(kx), s32);
         float va = block_max(fabsf(vx), s32);
@@ -655,15 +726,26 @@ __device__ __forceinline__ void rope_kv_head(float* q, float* q_out, float* k, f
     v[src] = vx;
     if (slots[t] < 0) return;
     size_t dst = ((size_t)slots[t] * kv_heads + kvh) * hd + d;
-    kv_put(k_pool, dst, kx);
-    kv_put(v_pool, dst, vx);
+    if constexpr (sizeof(KV) == 1) {
+        k_pool[dst] = kc;
+        v_pool[dst] = vc;
+        if (d == 0) {
+            k_scale[dst / hd] = ks;
+            v_scale[dst / hd] = vs;
+        }
+    } else {
+        kv_put(k_pool, dst, kx);
+        kv_put(v_pool, dst, vx);
+    }
 }
 
 #define ROPE_KV_PARAMS(KV)                                                                       \
-    float *q, float *k, float *v, KV *k_pool, KV *v_pool, const int *pos, const float *inv_freq, \
-        const int *slots, int heads, int kv_heads, int hd, int mode
-#define ROPE_KV_ARGS \
-    q, q, k, v, k_pool, v_pool, pos, inv_freq, slots, heads, kv_heads, hd, mode, blockIdx.x, blockIdx.y
+    float *q, float *k, float *v, KV *k_pool, KV *v_pool, float *k_scale, float *v_scale,        \
+        const int *pos, const float *inv_freq, const int *slots, int heads, int kv_heads, int hd, \
+        int mode
+#define ROPE_KV_ARGS                                                                              \
+    q, q, k, v, k_pool, v_pool, k_scale, v_scale, pos, inv_freq, slots, heads, kv_heads, hd, mode, \
+        blockIdx.x, blockIdx.y
 extern "C" __global__ void rope_kv_write(ROPE_KV_PARAMS(float)) {
     TD_SCOPE("rope_kv_write");
     pdl_launch_dependents();
@@ -672,6 +754,12 @@ extern "C" __global__ void rope_kv_write(ROPE_KV_PARAMS(float)) {
 }
 extern "C" __global__ void rope_kv_write_bf16kv(ROPE_KV_PARAMS(bf16_t)) {
     TD_SCOPE("rope_kv_write_bf16kv");
+    pdl_launch_dependents();
+    pdl_wait();
+    rope_kv_head(ROPE_KV_ARGS);
+}
+extern "C" __global__ void rope_kv_write_fp8kv(ROPE_KV_PARAMS(fp8_t)) {
+    TD_SCOPE("rope_kv_write_fp8kv");
     pdl_launch_dependents();
     pdl_wait();
     rope_kv_head(ROPE_KV_ARGS);
@@ -746,8 +834,9 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
 #define QKV_ROPE_PARAMS(KV)                                                                      \
     const void *x, int x_f32, const float *norm_w, float eps, int n, int in, const bf16_t *wq, \
         const float *bq, const bf16_t *wk, const float *bk, const bf16_t *wv, const float *bv,   \
-        float *q, float *k, float *v, KV *k_pool, KV *v_pool, const int *pos,                   \
-        const float *inv_freq, const int *slots, int heads, int kv_heads, int hd, int mode
+        float *q, float *k, float *v, KV *k_pool, KV *v_pool, float *k_scale, float *v_scale,   \
+        const int *pos, const float *inv_freq, const int *slots, int heads, int kv_heads, int hd, \
+        int mode
 #define QKV_ROPE_ARGS                                                                            \
     x, norm_w, eps, in, wq, bq, wk, bk, wv, bv, q, k, v, k_pool, v_pool, pos, inv_freq, slots,  \
         heads, kv_heads, hd, mode
@@ -787,7 +876,8 @@ __device__ __forceinline__ size_t kv_offset(const int* table, int j, int bs, int
 // out, q (n, heads, hd). grid (rows, heads), block 32 * ATT_WARPS.
 template <typename KV>
 __device__ __forceinline__ void attention_impl(float* out, const float* q, const KV* k_pool,
-                                               const KV* v_pool, const int* tables,
+                                               const KV* v_pool, const float* k_scale,
+                                               const float* v_scale, const int* tables,
                                                int max_blocks, const int* seg, const int* ctx,
                                                const int* hide, const int* rows,
                                                const float* scores, int scores_stride, int heads,
@@ -815,6 +905,8 @@ __device__ __forceinline__ void attention_impl(float* out, const float* q, const
     for (int j = warp; j < n_ctx; j += ATT_WARPS) {
         if (j == skip) continue;
         size_t off = kv_offset(table, j, bs, kv_dim, kvh, hd);
+        float ksc = kv_row_scale(k_pool, k_scale, off, hd);
+        float vsc = kv_row_scale(v_pool, v_scale, off, hd);
         float s;
         if (sc_row) {
             s = sc_row[j];
@@ -825,7 +917,7 @@ __device__ __forceinline__ void attention_impl(float* out, const float* q, const
             for (int i = 0; i < MAX_DPL; i++) {
                 int d = lane + 32 * i;
                 if (d < hd) {
-                    float kx = kv_get(k_pool, off + d);
+                    float kx = kv_get(k_pool, off + d, ksc);
                     part += qr[i] * (bf16 ? round_bf16(kx) : kx);
                 }
             }
@@ -840,7 +932,7 @@ __device__ __forceinline__ void attention_impl(float* out, const float* q, const
         for (int i = 0; i < MAX_DPL; i++) {
             int d = lane + 32 * i;
             if (d < hd) {
-                float vx = kv_get(v_pool, off + d);
+                float vx = kv_get(v_pool, off + d, vsc);
                 acc[i] = acc[i] * corr + pv * (bf16 ? round_bf16(vx) : vx);
             }
         }
@@ -883,7 +975,7 @@ __device__ __forceinline__ void attention_impl(float* out, const float* q, const
 template <typename KV>
 __device__ __forceinline__ void attention_scores_impl(float* scores, int scores_stride,
                                                       const float* q, const KV* k_pool,
-                                                      const int* tables, int max_blocks,
+                                                      const float* k_scale, const int* tables, int max_blocks,
                                                       const int* seg, const int* ctx,
                                                       const int* hide, const int* rows, int heads,
                                                       int kv_heads, int hd, int bs, float scale,
@@ -909,12 +1001,13 @@ __device__ __forceinline__ void attention_scores_impl(float* scores, int scores_
             continue;
         }
         size_t off = kv_offset(table, j, bs, kv_dim, kvh, hd);
+        float ksc = kv_row_scale(k_pool, k_scale, off, hd);
         float part = 0.0f;
 #pragma unroll
         for (int i = 0; i < MAX_DPL; i++) {
             int d = lane + 32 * i;
             if (d < hd) {
-                float kx = kv_get(k_pool, off + d);
+                float kx = kv_get(k_pool, off + d, ksc);
                 part += qr[i] * (bf16 ? round_bf16(kx) : kx);
             }
         }
@@ -924,19 +1017,21 @@ __device__ __forceinline__ void attention_scores_impl(float* scores, int scores_
 }
 
 #define ATTENTION_PARAMS(KV)                                                                      \
-    float *out, const float *q, const KV *k_pool, const KV *v_pool, const int *tables,           \
+    float *out, const float *q, const KV *k_pool, const KV *v_pool, const float *k_scale,        \
+        const float *v_scale, const int *tables,                                                  \
         int max_blocks, const int *seg, const int *ctx, const int *hide, const int *rows,         \
         const float *scores, int scores_stride, int heads, int kv_heads, int hd, int bs,          \
         float scale, int bf16
 #define ATTENTION_ARGS                                                                            \
-    out, q, k_pool, v_pool, tables, max_blocks, seg, ctx, hide, rows, scores, scores_stride,      \
+    out, q, k_pool, v_pool, k_scale, v_scale, tables, max_blocks, seg, ctx, hide, rows, scores, scores_stride,      \
         heads, kv_heads, hd, bs, scale, bf16
 #define SCORES_PARAMS(KV)                                                                         \
-    float *scores, int scores_stride, const float *q, const KV *k_pool, const int *tables,        \
+    float *scores, int scores_stride, const float *q, const KV *k_pool, const float *k_scale,     \
+        const int *tables,                                                                        \
         int max_blocks, const int *seg, const int *ctx, const int *hide, const int *rows,          \
         int heads, int kv_heads, int hd, int bs, float scale, int bf16
 #define SCORES_ARGS                                                                               \
-    scores, scores_stride, q, k_pool, tables, max_blocks, seg, ctx, hide, rows, heads, kv_heads,  \
+    scores, scores_stride, q, k_pool, k_scale, tables, max_blocks, seg, ctx, hide, rows, heads, kv_heads,  \
         hd, bs, scale, bf16
 extern "C" __global__ void attention(ATTENTION_PARAMS(float)) {
     TD_SCOPE("attention");
@@ -946,12 +1041,20 @@ extern "C" __global__ void attention_bf16kv(ATTENTION_PARAMS(bf16_t)) {
     TD_SCOPE("attention_bf16kv");
     attention_impl(ATTENTION_ARGS);
 }
+extern "C" __global__ void attention_fp8kv(ATTENTION_PARAMS(fp8_t)) {
+    TD_SCOPE("attention_fp8kv");
+    attention_impl(ATTENTION_ARGS);
+}
 extern "C" __global__ void attention_scores(SCORES_PARAMS(float)) {
     TD_SCOPE("attention_scores");
     attention_scores_impl(SCORES_ARGS);
 }
 extern "C" __global__ void attention_scores_bf16kv(SCORES_PARAMS(bf16_t)) {
     TD_SCOPE("attention_scores_bf16kv");
+    attention_scores_impl(SCORES_ARGS);
+}
+extern "C" __global__ void attention_scores_fp8kv(SCORES_PARAMS(fp8_t)) {
+    TD_SCOPE("attention_scores_fp8kv");
     attention_scores_impl(SCORES_ARGS);
 }
 #undef ATTENTION_PARAMS

@@ -29,12 +29,14 @@
 //
 // Entry points (extern "C", one per head_dim so each gets its own register allocation; all take
 // the same arguments, in the order of `attention`'s):
-//   prefill_attention_hd32 / _hd64 / _hd128(out, q, k_pool, v_pool, tables, max_blocks, seg, ctx,
-//       hide, tiles, heads, kv_heads, hd, bs, scale, bf16)
+//   prefill_attention_hd32 / _hd64 / _hd128(out, q, k_pool, v_pool, k_scale, v_scale, tables,
+//       max_blocks, seg, ctx, hide, tiles, heads, kv_heads, hd, bs, scale, bf16)
+//   prefill_attention_bf16kv_hd*, prefill_attention_fp8kv_hd*: the same over a bf16 pool and an
+//   FP8 E4M3 pool (k_scale, v_scale: its per-(position, KV head) scales; unused otherwise).
 // Other head dims: no entry point; the host uses `attention`.
 //
 // Inputs as for `attention`: q, out (n, heads, hd) f32; k_pool, v_pool one layer's
-// (num_blocks, bs, kv_heads, hd) f32; tables (segments, max_blocks) int; per token t of the batch
+// (num_blocks, bs, kv_heads, hd) f32 (bf16 bits, FP8 codes); tables (segments, max_blocks) int; per token t of the batch
 // seg[t] (row of tables), ctx[t] (attends positions 0 .. ctx[t]-1), hide[t] (one position masked
 // out, or -1). q, out, k_pool and v_pool must be 16-byte aligned (cudaMalloc'd, or offsets a
 // multiple of 4 floats): rows are moved as 16-byte vectors. Any block size bs >= 1 works. The
@@ -158,24 +160,47 @@ struct Geo {
     static_assert(4 * FLOATS <= 99 * 1024, "over sm_120's 99 KB of shared memory per block");
 };
 
-// Stages 4 consecutive pool elements (f32, or bf16 bits from a kv_dtype=bf16 pool) as f32 in
-// shared memory; ok false: zeros, nothing read. f32 goes through cp.async (complete after the
-// thread's wait_group); bf16 is loaded (8 bytes) and widened by the thread itself, so it is in
-// place before the same wait_group and barrier that publish the cp.async chunks.
-__device__ __forceinline__ void stage4(float* dst, const float* src, bool ok) {
+// Stages 4 consecutive pool elements (f32; bf16 bits from a kv_dtype=bf16 pool; FP8 E4M3 codes
+// of a row with this scale from a kv_dtype=fp8-e4m3 pool) as f32 in shared memory; ok false:
+// zeros, nothing read. f32 goes through cp.async (complete after the thread's wait_group); the
+// packed types are loaded and widened by the thread itself, so they are in place before the same
+// wait_group and barrier that publish the cp.async chunks.
+__device__ __forceinline__ void stage4(float* dst, const float* src, bool ok, float) {
     cp_async16(dst, src, ok ? 16 : 0);
 }
-__device__ __forceinline__ void stage4(float* dst, const unsigned short* src, bool ok) {
+__device__ __forceinline__ void stage4(float* dst, const unsigned short* src, bool ok, float) {
     uint2 b = ok ? *reinterpret_cast<const uint2*>(src) : make_uint2(0u, 0u);
     *reinterpret_cast<float4*>(dst) = make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xffff0000u),
                                                   __uint_as_float(b.y << 16), __uint_as_float(b.y & 0xffff0000u));
+}
+// engine.cu's fp8_e4m3_value (this file is compiled on its own).
+__device__ __forceinline__ float fp8_value(unsigned int c) {
+    unsigned int e = (c >> 3) & 15u, m = c & 7u;
+    float a;
+    if (e == 15u && m == 7u)
+        a = __uint_as_float(0x7fc00000u);
+    else if (e == 0u)
+        a = (float)m * 0.001953125f;
+    else
+        a = __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (c & 0x80u) ? -a : a;
+}
+__device__ __forceinline__ void stage4(float* dst, const unsigned char* src, bool ok, float scale) {
+    if (!ok) {
+        *reinterpret_cast<float4*>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        return;
+    }
+    unsigned int b = *reinterpret_cast<const unsigned int*>(src);
+    *reinterpret_cast<float4*>(dst) = make_float4(fp8_value(b & 0xffu) * scale, fp8_value((b >> 8) & 0xffu) * scale,
+                                                  fp8_value((b >> 16) & 0xffu) * scale, fp8_value(b >> 24) * scale);
 }
 
 // Gathers positions j0 .. j0+BN-1 of KV head kvh into a staged tile (row c = position j0 + c),
 // through the block table; positions >= kv_end are zero-filled, never read.
 template <int HD, int BN, typename KV>
-__device__ __forceinline__ void issue_tile(float* dst, const KV* __restrict__ pool, const int* __restrict__ table,
-                                           int j0, int kv_end, int bs, int kv_dim, int kvh) {
+__device__ __forceinline__ void issue_tile(float* dst, const KV* __restrict__ pool, const float* __restrict__ scales,
+                                           const int* __restrict__ table, int j0, int kv_end, int bs, int kv_dim,
+                                           int kvh) {
     typedef Geo<HD, BN> G;
 #pragma unroll
     for (int k = 0; k < G::CHUNKS; ++k) {
@@ -184,8 +209,13 @@ __device__ __forceinline__ void issue_tile(float* dst, const KV* __restrict__ po
         const int j = j0 + c;
         const bool ok = j < kv_end;
         const KV* src = pool;
-        if (ok) src += ((size_t)table[j / bs] * bs + j % bs) * kv_dim + (size_t)kvh * HD + 4 * c4;
-        stage4(dst + c * G::RS + 4 * c4, src, ok);
+        float scale = 1.0f;
+        if (ok) {
+            const size_t row = ((size_t)table[j / bs] * bs + j % bs) * kv_dim + (size_t)kvh * HD;
+            src += row + 4 * c4;
+            if constexpr (sizeof(KV) == 1) scale = scales[row / HD];
+        }
+        stage4(dst + c * G::RS + 4 * c4, src, ok, scale);
     }
 }
 
@@ -248,6 +278,7 @@ __device__ __forceinline__ void scores(const float* Qs, const float* Ks, float (
 template <int HD, int BN, typename KV>
 __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __restrict__ q,
                                         const KV* __restrict__ k_pool, const KV* __restrict__ v_pool,
+                                        const float* __restrict__ k_scale, const float* __restrict__ v_scale,
                                         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seg,
                                         const int* __restrict__ ctx, const int* __restrict__ hide,
                                         const int* __restrict__ tiles, int heads, int kv_heads, int hd, int bs,
@@ -311,11 +342,11 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
 
     if (bf16) {
         // Pass 1: every row's max score. K tiles only, double-buffered in the K and V regions.
-        issue_tile<HD, BN, KV>(Ks, k_pool, table, 0, kv_end, bs, kv_dim, kvh);
+        issue_tile<HD, BN, KV>(Ks, k_pool, k_scale, table, 0, kv_end, bs, kv_dim, kvh);
         cp_async_commit();
         for (int it = 0; it < ntiles; ++it) {
             float* cur = (it & 1) ? Vs : Ks;
-            if (it + 1 < ntiles) issue_tile<HD, BN, KV>((it & 1) ? Ks : Vs, k_pool, table, (it + 1) * BN, kv_end, bs, kv_dim, kvh);
+            if (it + 1 < ntiles) issue_tile<HD, BN, KV>((it & 1) ? Ks : Vs, k_pool, k_scale, table, (it + 1) * BN, kv_end, bs, kv_dim, kvh);
             cp_async_commit();
             cp_async_wait<1>();
             round_own_chunks<HD, BN>(cur);
@@ -336,9 +367,9 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
     // Main pass. One K and one V buffer, staged alternately: K(it+1) loads while P V of tile it
     // runs, V(it+1) while S of tile it+1 runs. Groups in flight at the top of iteration it:
     // K(it), V(it).
-    issue_tile<HD, BN, KV>(Ks, k_pool, table, 0, kv_end, bs, kv_dim, kvh);
+    issue_tile<HD, BN, KV>(Ks, k_pool, k_scale, table, 0, kv_end, bs, kv_dim, kvh);
     cp_async_commit();
-    issue_tile<HD, BN, KV>(Vs, v_pool, table, 0, kv_end, bs, kv_dim, kvh);
+    issue_tile<HD, BN, KV>(Vs, v_pool, v_scale, table, 0, kv_end, bs, kv_dim, kvh);
     cp_async_commit();
     for (int it = 0; it < ntiles; ++it) {
         const int j0 = it * BN;
@@ -347,7 +378,7 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
         __syncthreads();
         scores<HD, BN>(Qs, Ks, s, j0, rctx, rhide, scale);
         __syncthreads();  // every thread is done with Ks
-        if (it + 1 < ntiles) issue_tile<HD, BN, KV>(Ks, k_pool, table, j0 + BN, kv_end, bs, kv_dim, kvh);
+        if (it + 1 < ntiles) issue_tile<HD, BN, KV>(Ks, k_pool, k_scale, table, j0 + BN, kv_end, bs, kv_dim, kvh);
         cp_async_commit();
 
         // Online softmax per row. A row with nothing unmasked yet keeps m = -inf, l = 0, o = 0.
@@ -397,7 +428,7 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
             }
         }
         __syncthreads();  // every thread is done with Vs and Ps
-        if (it + 1 < ntiles) issue_tile<HD, BN, KV>(Vs, v_pool, table, j0 + BN, kv_end, bs, kv_dim, kvh);
+        if (it + 1 < ntiles) issue_tile<HD, BN, KV>(Vs, v_pool, v_scale, table, j0 + BN, kv_end, bs, kv_dim, kvh);
         cp_async_commit();
     }
     cp_async_wait<0>();
@@ -424,12 +455,13 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
 // The entry points, one per head_dim (written out, not generated, so a reader and the engine's
 // entry-point test can find them).
 #define PA_ARGS(KV)                                                                                \
-    float *out, const float *q, const KV *k_pool, const KV *v_pool, const int *tables,            \
+    float *out, const float *q, const KV *k_pool, const KV *v_pool, const float *k_scale,         \
+        const float *v_scale, const int *tables,                                                   \
         int max_blocks, const int *seg, const int *ctx, const int *hide, const int *tiles,        \
         int heads, int kv_heads, int hd, int bs, float scale, int bf16
 #define PA_CALL(HD)                                                                                \
     extern __shared__ __align__(16) float pa_smem[];                                               \
-    pa::prefill<HD, PA_BN(HD)>(out, q, k_pool, v_pool, tables, max_blocks, seg, ctx, hide, tiles,  \
+    pa::prefill<HD, PA_BN(HD)>(out, q, k_pool, v_pool, k_scale, v_scale, tables, max_blocks, seg, ctx, hide, tiles,  \
                                heads, kv_heads, hd, bs, scale, bf16, pa_smem)
 
 extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_hd32(PA_ARGS(float)) {
@@ -455,6 +487,20 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_bf
 }
 extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_bf16kv_hd128(PA_ARGS(unsigned short)) {
     TD_SCOPE("prefill_attention_bf16kv_hd128");
+    PA_CALL(128);
+}
+
+// The same over a kv_dtype=fp8-e4m3 pool (codes and per-row scales, widened to f32 as staged).
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_fp8kv_hd32(PA_ARGS(unsigned char)) {
+    TD_SCOPE("prefill_attention_fp8kv_hd32");
+    PA_CALL(32);
+}
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_fp8kv_hd64(PA_ARGS(unsigned char)) {
+    TD_SCOPE("prefill_attention_fp8kv_hd64");
+    PA_CALL(64);
+}
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 2) prefill_attention_fp8kv_hd128(PA_ARGS(unsigned char)) {
+    TD_SCOPE("prefill_attention_fp8kv_hd128");
     PA_CALL(128);
 }
 

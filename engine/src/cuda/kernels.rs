@@ -59,10 +59,13 @@ pub const ENGINE: KernelSource = KernelSource {
         "gemv_bf16_qkv_rope_bf16kv_3",
         "gemv_bf16_qkv_rope_bf16kv_4",
         "rope_kv_write_bf16kv",
+        "rope_kv_write_fp8kv",
         "attention",
         "attention_bf16kv",
+        "attention_fp8kv",
         "attention_scores",
         "attention_scores_bf16kv",
+        "attention_scores_fp8kv",
         "topk_mask",
         "pick_partial",
         "pick_finish",
@@ -84,6 +87,9 @@ pub const PREFILL: KernelSource = KernelSource {
         "prefill_attention_bf16kv_hd32",
         "prefill_attention_bf16kv_hd64",
         "prefill_attention_bf16kv_hd128",
+        "prefill_attention_fp8kv_hd32",
+        "prefill_attention_fp8kv_hd64",
+        "prefill_attention_fp8kv_hd128",
     ],
 };
 

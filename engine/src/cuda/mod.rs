@@ -131,29 +131,36 @@ unsafe impl Send for DevBuf {}
 unsafe impl Sync for DevBuf {}
 
 /// What a device KV pool's elements are. Every kernel that reads or writes the pool comes in one
-/// variant per element type (the `_bf16kv` entry points read and write bf16 bits).
+/// variant per element type (the `_bf16kv` entry points read and write bf16 bits, the `_fp8kv`
+/// ones FP8 E4M3 codes and their scales).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum KvElem {
-    /// f32: holds any `kv_dtype` as f32 of the rounded values (FP8 is stored this way on the GPU).
+    /// f32: holds any `kv_dtype` as f32 of the rounded values.
     F32,
     /// bf16 bits: a `kv_dtype=bf16` pool at half the bytes, reading back the same f32 values.
     Bf16,
+    /// FP8 E4M3 codes plus one f32 scale per position and KV head (`kv_dtype=fp8-e4m3`): a
+    /// quarter of the bytes and a scale, reading back the same f32 values. No tensor-core kernel
+    /// reads it: decode rows take the SIMT kernel with the mma kernel's roundings.
+    Fp8,
 }
 
 impl KvElem {
     /// The element type a pool for `dtype` stores.
     fn for_dtype(dtype: KvDtype) -> Self {
         match dtype {
+            KvDtype::F32 => KvElem::F32,
             KvDtype::Bf16 => KvElem::Bf16,
-            KvDtype::F32 | KvDtype::Fp8E4m3 => KvElem::F32,
+            KvDtype::Fp8E4m3 => KvElem::Fp8,
         }
     }
 
-    /// Bytes per element.
+    /// Bytes per element (an FP8 pool's scales come on top).
     fn bytes(self) -> usize {
         match self {
             KvElem::F32 => 4,
             KvElem::Bf16 => 2,
+            KvElem::Fp8 => 1,
         }
     }
 
@@ -162,6 +169,7 @@ impl KvElem {
         match self {
             KvElem::F32 => KvDtype::F32,
             KvElem::Bf16 => KvDtype::Bf16,
+            KvElem::Fp8 => KvDtype::Fp8E4m3,
         }
     }
 
@@ -175,37 +183,55 @@ impl KvElem {
         match self {
             KvElem::F32 => "",
             KvElem::Bf16 => "_bf16kv",
+            KvElem::Fp8 => "_fp8kv",
         }
     }
 }
 
 /// The KV pool's device storage: per layer, keys and values `(num_blocks, block_size, kv_heads,
-/// head_dim)` of one element type.
+/// head_dim)` of one element type, and for FP8 their scales `(num_blocks, block_size, kv_heads)`.
 #[derive(Debug)]
 pub struct DeviceKv {
     k: Vec<DevBuf>,
     v: Vec<DevBuf>,
+    /// FP8 pools only (empty otherwise): one f32 scale per position and KV head, per layer.
+    k_scale: Vec<DevBuf>,
+    v_scale: Vec<DevBuf>,
     /// Elements per layer in use.
     per_layer: usize,
+    head_dim: usize,
     elem: KvElem,
     ctx: Arc<CudaContext>,
 }
 
 impl DeviceKv {
-    fn new(ctx: &Arc<CudaContext>, layers: usize, per_layer: usize, elem: KvElem) -> Result<Self> {
-        let mut k = Vec::with_capacity(layers);
-        let mut v = Vec::with_capacity(layers);
-        for _ in 0..layers {
-            k.push(DevBuf::new(ctx, per_layer * elem.bytes())?);
-            v.push(DevBuf::new(ctx, per_layer * elem.bytes())?);
-        }
-        Ok(DeviceKv {
-            k,
-            v,
-            per_layer,
+    fn new(
+        ctx: &Arc<CudaContext>,
+        layers: usize,
+        per_layer: usize,
+        head_dim: usize,
+        elem: KvElem,
+    ) -> Result<Self> {
+        let mut kv = DeviceKv {
+            k: Vec::new(),
+            v: Vec::new(),
+            k_scale: Vec::new(),
+            v_scale: Vec::new(),
+            per_layer: 0,
+            head_dim,
             elem,
             ctx: ctx.clone(),
-        })
+        };
+        for _ in 0..layers {
+            kv.k.push(DevBuf::new(ctx, 0)?);
+            kv.v.push(DevBuf::new(ctx, 0)?);
+            if elem == KvElem::Fp8 {
+                kv.k_scale.push(DevBuf::new(ctx, 0)?);
+                kv.v_scale.push(DevBuf::new(ctx, 0)?);
+            }
+        }
+        kv.grow(per_layer)?;
+        Ok(kv)
     }
 
     /// Layers held.
@@ -218,28 +244,60 @@ impl DeviceKv {
         self.elem.dtype()
     }
 
+    /// Layer `li`'s key and value buffers, and their scales (0 for pools without).
+    fn layer(&self, li: usize) -> [u64; 4] {
+        let scale = |s: &[DevBuf]| s.get(li).map_or(0, |b| b.ptr);
+        [
+            self.k[li].ptr,
+            self.v[li].ptr,
+            scale(&self.k_scale),
+            scale(&self.v_scale),
+        ]
+    }
+
+    /// Every buffer's address: what graphs and the decode-step kernel's layer table baked in.
+    fn addresses(&self) -> impl Iterator<Item = u64> + '_ {
+        self.k
+            .iter()
+            .chain(&self.v)
+            .chain(&self.k_scale)
+            .chain(&self.v_scale)
+            .map(|b| b.ptr)
+    }
+
     /// Grows every layer to `per_layer` elements, keeping what is stored (capacity doubles, so
     /// a sequence growing one block at a time copies O(n) in total).
     pub(crate) fn grow(&mut self, per_layer: usize) -> Result<()> {
         if per_layer <= self.per_layer {
             return Ok(());
         }
+        let (old, hd) = (self.per_layer, self.head_dim.max(1));
         let eb = self.elem.bytes();
-        if per_layer * eb > self.k.first().map_or(0, |b| b.bytes) {
-            let cap = (per_layer * eb).max(2 * self.k.first().map_or(0, |b| b.bytes));
-            for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
-                let new = DevBuf::new(&self.ctx, cap)?;
-                if self.per_layer > 0 {
-                    // SAFETY: both buffers are at least `per_layer * eb` bytes.
-                    unsafe { dr::memcpy_dtod_sync(new.ptr, buf.ptr, self.per_layer * eb) }
-                        .map_err(|e| dev_err("growing the KV cache", e))?;
-                }
-                *buf = new;
-            }
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            grow_buf(&self.ctx, buf, old * eb, per_layer * eb)?;
+        }
+        for buf in self.k_scale.iter_mut().chain(self.v_scale.iter_mut()) {
+            grow_buf(&self.ctx, buf, old / hd * 4, per_layer / hd * 4)?;
         }
         self.per_layer = per_layer;
         Ok(())
     }
+}
+
+/// Makes `buf` hold at least `want` bytes, keeping its first `used`: a new buffer of at least
+/// twice the old capacity when it does not.
+fn grow_buf(ctx: &Arc<CudaContext>, buf: &mut DevBuf, used: usize, want: usize) -> Result<()> {
+    if want <= buf.bytes {
+        return Ok(());
+    }
+    let new = DevBuf::new(ctx, want.max(2 * buf.bytes))?;
+    if used > 0 {
+        // SAFETY: both buffers are at least `used` bytes.
+        unsafe { dr::memcpy_dtod_sync(new.ptr, buf.ptr, used) }
+            .map_err(|e| dev_err("growing the KV cache", e))?;
+    }
+    *buf = new;
+    Ok(())
 }
 
 /// The GEMV entry point for `n` rows.
@@ -332,6 +390,9 @@ struct RopeArgs {
     v: u64,
     k_pool: u64,
     v_pool: u64,
+    /// An FP8 pool's scales (0 for the others).
+    k_scale: u64,
+    v_scale: u64,
     pos: u64,
     inv_freq: u64,
     slots: u64,
@@ -344,13 +405,16 @@ struct RopeArgs {
 }
 
 impl RopeArgs {
-    /// Appends `(q, k, v, k_pool, v_pool, pos, inv_freq, slots, heads, kv_heads, hd, mode)`.
+    /// Appends `(q, k, v, k_pool, v_pool, k_scale, v_scale, pos, inv_freq, slots, heads,
+    /// kv_heads, hd, mode)`.
     fn append(&self, a: Args) -> Args {
         a.p(self.q)
             .p(self.k)
             .p(self.v)
             .p(self.k_pool)
             .p(self.v_pool)
+            .p(self.k_scale)
+            .p(self.v_scale)
             .p(self.pos)
             .p(self.inv_freq)
             .p(self.slots)
@@ -418,11 +482,13 @@ struct DevLayer {
 /// The kernels that read or write the KV pool, for one element type ([`KvElem`]).
 struct PoolKernels {
     rope_kv_write: CudaFunction,
-    /// q/k/v with RoPE and the KV write in the epilogue (`fuse=on`), per row count like `gemv`.
+    /// q/k/v with RoPE and the KV write in the epilogue (`fuse=on`), per row count like `gemv`
+    /// (none for FP8, whose per-head scale needs the whole head: that pool keeps rope_kv_write).
     gemv_qkv_rope: Vec<CudaFunction>,
     attention: CudaFunction,
     attention_scores: CudaFunction,
-    decode_mma: CudaFunction,
+    /// The tensor-core decode kernel (none for FP8).
+    decode_mma: Option<CudaFunction>,
     /// The tiled prefill kernel for this model's head_dim (none for other head dims).
     prefill: Option<CudaFunction>,
 }
@@ -447,7 +513,7 @@ struct Kernels {
     pick_partial: CudaFunction,
     pick_finish: CudaFunction,
     /// The pool's readers and writers, indexed by [`KvElem::index`].
-    pool: [PoolKernels; 2],
+    pool: [PoolKernels; 3],
 }
 
 impl Kernels {
@@ -523,19 +589,22 @@ impl Kernels {
         };
         let pool = |elem: KvElem| -> Result<PoolKernels> {
             let sfx = elem.suffix();
+            let mma_name = match elem {
+                KvElem::F32 => Some("decode_attn_mma_f32kv"),
+                KvElem::Bf16 => Some("decode_attn_mma_bf16kv"),
+                KvElem::Fp8 => None,
+            };
             Ok(PoolKernels {
                 rope_kv_write: f(&format!("rope_kv_write{sfx}"))?,
-                gemv_qkv_rope: rows(&module, &format!("gemv_bf16_qkv_rope{sfx}"))?,
+                gemv_qkv_rope: match elem {
+                    KvElem::Fp8 => Vec::new(),
+                    _ => rows(&module, &format!("gemv_bf16_qkv_rope{sfx}"))?,
+                },
                 attention: f(&format!("attention{sfx}"))?,
                 attention_scores: f(&format!("attention_scores{sfx}"))?,
-                decode_mma: load_with_smem(
-                    &mma,
-                    match elem {
-                        KvElem::F32 => "decode_attn_mma_f32kv",
-                        KvElem::Bf16 => "decode_attn_mma_bf16kv",
-                    },
-                    kernels::DECODE_MMA_SMEM,
-                )?,
+                decode_mma: mma_name
+                    .map(|name| load_with_smem(&mma, name, kernels::DECODE_MMA_SMEM))
+                    .transpose()?,
                 prefill: prefill
                     .as_ref()
                     .map(|m| {
@@ -549,7 +618,7 @@ impl Kernels {
             })
         };
         Ok(Kernels {
-            pool: [pool(KvElem::F32)?, pool(KvElem::Bf16)?],
+            pool: [pool(KvElem::F32)?, pool(KvElem::Bf16)?, pool(KvElem::Fp8)?],
             decode_combine: load_function(&mma, "decode_attn_combine")?,
             embed_gather: f("embed_gather")?,
             rms_norm: f("rms_norm")?,
@@ -898,8 +967,8 @@ pub fn fused_layers() -> (u64, u64) {
 fn kv_key(kv: &DeviceKv) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    for b in kv.k.iter().chain(&kv.v) {
-        b.ptr.hash(&mut h);
+    for p in kv.addresses() {
+        p.hash(&mut h);
     }
     h.finish()
 }
@@ -1371,7 +1440,13 @@ impl Backend for CudaBackend {
     fn new_pool(&self, block_size: usize, num_blocks: usize, dtype: KvDtype) -> Result<KvPool> {
         let per_layer = num_blocks * block_size * self.cfg.num_kv_heads * self.cfg.head_dim;
         let elem = KvElem::for_dtype(dtype);
-        let kv = DeviceKv::new(&self.ctx, self.cfg.num_layers, per_layer, elem)?;
+        let kv = DeviceKv::new(
+            &self.ctx,
+            self.cfg.num_layers,
+            per_layer,
+            self.cfg.head_dim,
+            elem,
+        )?;
         Ok(KvPool::on_device(&self.cfg, block_size, num_blocks, kv))
     }
 
@@ -1597,6 +1672,7 @@ impl Inner {
         let mma = if toggles.attn_decode == AttnDecode::MmaBf16
             && topk.is_none()
             && mma_shape_ok
+            && self.gpu.k.pool(kv.elem).decode_mma.is_some()
             && nr > 0
         {
             let (split_len, max_splits) = split_rule(nr, nkv, max_len, sms, tune::get().split_min);
@@ -1879,13 +1955,15 @@ impl Inner {
         let rope_fused = pass.fuse.rope && pass.kv_mode <= 1;
         for (li, layer) in self.layers.iter().enumerate() {
             let qkv = [(&layer.q, q), (&layer.k, k), (&layer.v, v)];
-            let (kp, vp) = (kv.k[li].ptr, kv.v[li].ptr);
+            let [kp, vp, ksc, vsc] = kv.layer(li);
             let rope = RopeArgs {
                 q,
                 k,
                 v,
                 k_pool: kp,
                 v_pool: vp,
+                k_scale: ksc,
+                v_scale: vsc,
                 pos: mi(meta.pos),
                 inv_freq: self.inv_freq.ptr,
                 slots: mi(meta.slots),
@@ -1932,13 +2010,16 @@ impl Inner {
             };
             let heads = |a: Args, bf16: usize| a.i(nh).i(nkv).i(hd).i(bs).f(pass.scale).i(bf16);
             let attention = |rows: u64, n_rows: usize, scores: u64, stride: usize, bf16: usize| {
-                let a = context(Args::new().p(att).p(q).p(kp).p(vp), rows);
+                let a = context(Args::new().p(att).p(q).p(kp).p(vp).p(ksc).p(vsc), rows);
                 heads(a.p(scores).i(stride), bf16).launch(s, &pk.attention, (n_rows, nh), 128)
             };
             if let (Some(f), 1..) = (&pk.prefill, meta.n_tiles) {
                 // Prompt chunks through the tiled kernel (same arguments as `attention`, with
                 // the tile list where it takes rows and scores).
-                let a = context(Args::new().p(att).p(q).p(kp).p(vp), mi(meta.tiles));
+                let a = context(
+                    Args::new().p(att).p(q).p(kp).p(vp).p(ksc).p(vsc),
+                    mi(meta.tiles),
+                );
                 heads(a, pass.attn_bf16).launch_3d(
                     s,
                     f,
@@ -1955,7 +2036,7 @@ impl Inner {
             // the sparse top-k selection.
             let (rows, nr) = (mi(meta.decode_rows), meta.n_decode_rows);
             if let Some((top_k, scores, stride)) = pass.topk {
-                let a = context(Args::new().p(scores).i(stride).p(q).p(kp), rows);
+                let a = context(Args::new().p(scores).i(stride).p(q).p(kp).p(ksc), rows);
                 heads(a, pass.decode_bf16).launch(s, &pk.attention_scores, (nr, nh), 128)?;
                 Args::new()
                     .p(scores)
@@ -1997,7 +2078,9 @@ impl Inner {
                     .p(m.done)
                     .launch_pdl(
                         s,
-                        &pk.decode_mma,
+                        pk.decode_mma.as_ref().ok_or_else(|| {
+                            Error::Device("no tensor-core decode kernel for this KV pool".into())
+                        })?,
                         (nkv, nr, m.max_splits),
                         128,
                         kernels::DECODE_MMA_SMEM,

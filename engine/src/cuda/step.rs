@@ -222,9 +222,12 @@ impl Megakernel {
     ) -> Result<()> {
         let mut p = *params;
         let mut args = [&mut p as *mut MkParams as *mut c_void];
+        let func = self.funcs.get(elem.index()).ok_or_else(|| {
+            Error::Device("the decode step kernel does not read FP8 KV pools".into())
+        })?;
         // SAFETY: the kernel takes one `MkParams` by value, laid out as this `repr(C)` struct;
         // every pointer in it is a live device buffer of the shapes it names.
-        unsafe { self.cooperative(&self.funcs[elem.index()], stream, smem, &mut args) }
+        unsafe { self.cooperative(func, stream, smem, &mut args) }
             .map_err(|e| dev_err("launching the decode step kernel", e))
     }
 
