@@ -840,20 +840,40 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
 #define QKV_ROPE_ARGS                                                                            \
     x, norm_w, eps, in, wq, bq, wk, bk, wv, bv, q, k, v, k_pool, v_pool, pos, inv_freq, slots,  \
         heads, kv_heads, hd, mode
-#define QKV_ROPE_ENTRY(name, N, KV)                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) name(QKV_ROPE_PARAMS(KV)) {   \
-        TD_SCOPE(#name);                                                                        \
-        qkv_rope_kernel<N>(QKV_ROPE_ARGS);                                                      \
-    }
-QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_1, 1, float)
-QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_2, 2, float)
-QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_3, 3, float)
-QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_4, 4, float)
-QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_bf16kv_1, 1, bf16_t)
-QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_bf16kv_2, 2, bf16_t)
-QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_bf16kv_3, 3, bf16_t)
-QKV_ROPE_ENTRY(gemv_bf16_qkv_rope_bf16kv_4, 4, bf16_t)
-#undef QKV_ROPE_ENTRY
+// The entry points (written out, not generated, so a reader and the engine's entry-point test
+// can find them).
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_1(QKV_ROPE_PARAMS(float)) {
+    TD_SCOPE("gemv_bf16_qkv_rope_1");
+    qkv_rope_kernel<1>(QKV_ROPE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_2(QKV_ROPE_PARAMS(float)) {
+    TD_SCOPE("gemv_bf16_qkv_rope_2");
+    qkv_rope_kernel<2>(QKV_ROPE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_3(QKV_ROPE_PARAMS(float)) {
+    TD_SCOPE("gemv_bf16_qkv_rope_3");
+    qkv_rope_kernel<3>(QKV_ROPE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_4(QKV_ROPE_PARAMS(float)) {
+    TD_SCOPE("gemv_bf16_qkv_rope_4");
+    qkv_rope_kernel<4>(QKV_ROPE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_bf16kv_1(QKV_ROPE_PARAMS(bf16_t)) {
+    TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_1");
+    qkv_rope_kernel<1>(QKV_ROPE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_bf16kv_2(QKV_ROPE_PARAMS(bf16_t)) {
+    TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_2");
+    qkv_rope_kernel<2>(QKV_ROPE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_bf16kv_3(QKV_ROPE_PARAMS(bf16_t)) {
+    TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_3");
+    qkv_rope_kernel<3>(QKV_ROPE_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_bf16kv_4(QKV_ROPE_PARAMS(bf16_t)) {
+    TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_4");
+    qkv_rope_kernel<4>(QKV_ROPE_ARGS);
+}
 
 // Per token of the batch, what attention needs (one int array, see cuda/mod.rs `Meta`):
 //   seg[t]: the token's segment (row of the block tables); ctx[t]: positions it attends to
