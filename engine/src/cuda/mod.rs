@@ -1435,11 +1435,15 @@ impl Backend for CudaBackend {
         &self.cfg
     }
 
-    /// A bf16 pool stores bf16 bits (half an f32 pool's bytes); f32 and FP8 pools store f32 (FP8
-    /// as f32 of the rounded values: no kernel reads FP8 codes yet).
+    /// The pool stores `dtype` in its own size: bf16 bits, or FP8 codes and a scale per position
+    /// and KV head (f32 for every dtype under `TAPEDECK_KV_STORAGE=f32`).
     fn new_pool(&self, block_size: usize, num_blocks: usize, dtype: KvDtype) -> Result<KvPool> {
         let per_layer = num_blocks * block_size * self.cfg.num_kv_heads * self.cfg.head_dim;
-        let elem = KvElem::for_dtype(dtype);
+        let elem = if tune::get().kv_f32 {
+            KvElem::F32
+        } else {
+            KvElem::for_dtype(dtype)
+        };
         let kv = DeviceKv::new(
             &self.ctx,
             self.cfg.num_layers,

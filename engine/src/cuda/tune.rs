@@ -24,6 +24,10 @@
 //! - `TAPEDECK_FUSE=rope,merge,head`: which fusions `fuse=on` applies (default `rope,merge`):
 //!   RoPE + KV write in the q/k/v GEMV, the split merge in the o GEMV, the final RMSNorm in the
 //!   head's GEMV. All give the same bits; the knob times each one.
+//! - `TAPEDECK_KV_STORAGE=f32`: KV pools store f32 whatever `kv_dtype` says (the values rounded
+//!   to it, as before the packed pools), instead of `packed` (the default: bf16 bits for bf16,
+//!   FP8 codes + scales for FP8). The same numbers either way; the knob times the storage alone
+//!   (`_f32kv` against `_bf16kv` reads) and is a fallback should a packed kernel misbehave.
 //! - `TAPEDECK_TRACE=path`: compile the kernels with `TD_TRACE=1` and record a per-block timeline
 //!   of every launch (cuda/trace.rs), saved to `path` as CSV by `bench engine`.
 
@@ -89,6 +93,8 @@ pub(crate) struct Tuning {
     /// Whether the mma decode kernel merges its own splits (else the combine kernel runs, the
     /// default).
     pub mma_merge_in_kernel: bool,
+    /// KV pools store f32 for every `kv_dtype` (`TAPEDECK_KV_STORAGE=f32`).
+    pub kv_f32: bool,
 }
 
 /// The default split floor. The engine's pool holds f32 (the `_f32kv` kernel, one tile in flight
@@ -159,6 +165,14 @@ impl Tuning {
                 false
             }
         };
+        let kv_f32 = match var("TAPEDECK_KV_STORAGE").as_deref().map(str::trim) {
+            None | Some("packed") => false,
+            Some("f32") => true,
+            Some(other) => {
+                tracing::warn!("TAPEDECK_KV_STORAGE: want packed or f32, not {other:?}");
+                false
+            }
+        };
         Tuning {
             nvrtc_defines,
             split_min,
@@ -167,6 +181,7 @@ impl Tuning {
             gemv_grid,
             gemv_slice,
             mma_merge_in_kernel,
+            kv_f32,
         }
     }
 }
@@ -220,6 +235,7 @@ mod tests {
                 gemv_grid: 0,
                 gemv_slice: 2048,
                 mma_merge_in_kernel: false,
+                kv_f32: false,
             }
         );
         let t = parse(&[
@@ -231,12 +247,15 @@ mod tests {
             ("TAPEDECK_GEMV_SLICE", "100"),
             ("TAPEDECK_MMA_MERGE", "in-kernel"),
             ("TAPEDECK_GEMV_GRID", "9"),
+            ("TAPEDECK_KV_STORAGE", "fp16"),
         ]);
         assert_eq!(t.nvrtc_defines, ["-DMK_MIN_BLOCKS=1", "-DX=2.5"]);
         assert_eq!(t.split_min, 128, "96 is not a multiple of 64");
         assert_eq!(t.gemv_slice, 2048, "100 is not a slice length");
         assert_eq!(t.gemv_grid, 0, "9 blocks per SM is out of range");
         assert!(t.mma_merge_in_kernel);
+        assert!(!t.kv_f32, "fp16 is not a storage choice");
+        assert!(parse(&[("TAPEDECK_KV_STORAGE", "f32")]).kv_f32);
         assert_eq!(parse(&[("TAPEDECK_MMA_SPLIT_MIN", "64")]).split_min, 64);
         assert_eq!(parse(&[("TAPEDECK_GEMV_SLICE", "512")]).gemv_slice, 512);
         let grid = parse(&[("TAPEDECK_GEMV_GRID", "2")]);
