@@ -155,11 +155,12 @@ __global__ void attention(float* out, const float* q, const float* k_pool, const
 // BN 64 without the 2-blocks-per-SM register cap.
 #define PA_VARIANT(NAME, HD, BN, MINB)                                                                     \
   __global__ void __launch_bounds__(PA_THREADS, MINB)                                                      \
-  NAME(float* out, const float* q, const float* k_pool, const float* v_pool, const int* tables,            \
+  NAME(float* out, const float* q, const float* k_pool, const float* v_pool, const float* k_scale,         \
+       const float* v_scale, const int* tables,                                                            \
        int max_blocks, const int* seg, const int* ctx, const int* hide, const int* tiles, int heads,        \
        int kv_heads, int hd, int bs, float scale, int bf16) {                                              \
     extern __shared__ __align__(16) float pa_variant_smem[];                                               \
-    pa::prefill<HD, BN>(out, q, k_pool, v_pool, tables, max_blocks, seg, ctx, hide, tiles, heads, kv_heads, \
+    pa::prefill<HD, BN>(out, q, k_pool, v_pool, k_scale, v_scale, tables, max_blocks, seg, ctx, hide, tiles, heads, kv_heads, \
                         hd, bs, scale, bf16, pa_variant_smem);                                             \
   }
 PA_VARIANT(pa_hd64_bn32, 64, 32, 2)
@@ -244,6 +245,7 @@ struct Kern {
 struct PaArgs {
   float* out;
   const float *q, *k, *v;
+  const float *k_scale, *v_scale;  // FP8 pools only: null here (f32 pools)
   const int *tables;
   int max_blocks;
   const int *seg, *ctx, *hide, *tiles;
@@ -253,7 +255,7 @@ struct PaArgs {
 };
 
 static void launch_pa(const Kern& k, PaArgs a, cudaStream_t s) {
-  void* args[] = {&a.out, &a.q,     &a.k,     &a.v,        &a.tables, &a.max_blocks, &a.seg, &a.ctx,
+  void* args[] = {&a.out, &a.q,     &a.k,     &a.v,        &a.k_scale, &a.v_scale, &a.tables, &a.max_blocks, &a.seg, &a.ctx,
                   &a.hide, &a.tiles, &a.heads, &a.kv_heads, &a.hd,     &a.bs,         &a.scale, &a.bf16};
   const unsigned grid = (unsigned)(a.num_tiles * a.kv_heads);
   if (k.rt) {
@@ -599,7 +601,7 @@ static void run_case(const Case& c, int bf16, const std::vector<Kern>& rt, const
   CK(cudaMemcpy(dctx, ctx.data(), n * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dhide, hide.data(), n * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dtiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice));
-  PaArgs a{dout, dq, dk, dv, dtab, mbps, dseg, dctx, dhide, dtiles, num_tiles, heads, kv, hd, bs, scale, bf16};
+  PaArgs a{dout, dq, dk, dv, nullptr, nullptr, dtab, mbps, dseg, dctx, dhide, dtiles, num_tiles, heads, kv, hd, bs, scale, bf16};
 
   std::vector<float> hout(nout);
   int nhide = 0;
@@ -751,7 +753,7 @@ static void perf_case(const char* shape, int nseq, int len, int heads, int kv, i
   CK(cudaMemcpy(hide, hhide.data(), n * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(tiles, htiles.data(), htiles.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaDeviceSynchronize());
-  PaArgs a{out, q, k, v, tab, mbps, seg, ctx, hide, tiles, (int)htiles.size() / 2, heads, kv, hd, bs, scale, 0};
+  PaArgs a{out, q, k, v, nullptr, nullptr, tab, mbps, seg, ctx, hide, tiles, (int)htiles.size() / 2, heads, kv, hd, bs, scale, 0};
   const double flops = 4.0 * nseq * ((double)len * len / 2) * heads * hd;
 
   PaArgs ar = a;
