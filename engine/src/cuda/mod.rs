@@ -640,14 +640,14 @@ impl Kernels {
 /// Kernel arguments, each in its own 8-byte slot (CUDA reads 4-byte values from the slot's start
 /// on this little-endian host), so the parameter pointers stay valid for the launch.
 struct Args {
-    slots: [u64; 24],
+    slots: [u64; 32],
     n: usize,
 }
 
 impl Args {
     fn new() -> Self {
         Args {
-            slots: [0; 24],
+            slots: [0; 32],
             n: 0,
         }
     }
