@@ -11,6 +11,9 @@
 //                          partial_ml, max_blocks_per_seq, num_heads, num_kv_heads, block_size,
 //                          head_dim, split_len, max_splits, scale, done)   K/V: bf16 bits (u16)
 //   decode_attn_mma_f32kv (same arguments)                            K/V elements: f32
+//   decode_attn_mma_fp8kv (same arguments, then k_scale, v_scale)     K/V: FP8 E4M3 codes (u8)
+//                          with one f32 scale per (position, KV head): scale index = element
+//                          offset of the row / head_dim (kernels/engine.cu, fp8_store)
 //   decode_attn_combine(out, partial_out, partial_ml, context_lens, num_heads, head_dim,
 //                       split_len, max_splits)
 //
@@ -136,15 +139,19 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsi
 // Per-variant compile-time geometry. A "tile" is 16 consecutive positions of one KV head.
 // Each warp owns DA_SMEM_BYTES / DA_WARPS bytes of shared memory: a ring of STAGES stages, each
 // holding the K tile then the V tile as staged from global memory (bf16: already in the final
-// swizzled bf16 layout; f32: raw f32, converted in place to that bf16 layout before use).
+// swizzled bf16 layout; f32: raw f32, converted in place to that bf16 layout before use; FP8: the
+// codes in the upper half of a bf16-sized area, converted in place with the 16 rows' scales,
+// which follow the two matrices: 16 K scales, then 16 V scales).
 template <typename T, int D>
 struct Geo {
   static constexpr int ES = (int)sizeof(T);
   static constexpr int CPR = D * ES / 16;     // 16-byte chunks per staged row
   static constexpr int CPL = 16 * CPR / 32;   // chunks per lane per matrix
   static constexpr int EPC = 16 / ES;         // elements per chunk
-  static constexpr int MAT = 16 * D * ES;     // staged bytes of one matrix (K or V)
-  static constexpr int STAGE = 2 * MAT;
+  static constexpr int MAT = 16 * D * (ES == 1 ? 2 : ES);  // bytes of one matrix (K or V)
+  static constexpr int RAW = ES == 1 ? 16 * D : 0;         // where the staged codes start in it
+  static constexpr int SCALES = ES == 1 ? 2 * 16 * 4 : 0;  // the K and V scales of the stage
+  static constexpr int STAGE = 2 * MAT + SCALES;
   static constexpr int REGION = DA_SMEM_BYTES / DA_WARPS;
   static constexpr int STAGES = REGION / STAGE;
   static constexpr int RB = 2 * D;            // bytes per row of the bf16 tile
@@ -156,8 +163,16 @@ __device__ __forceinline__ unsigned swz(int r, int ch) {
   return (unsigned)(r * (2 * D) + ((ch ^ (r & 7)) << 4));
 }
 
+// 4 bytes global -> shared through L1 (cp.async.cg only moves 16); src_bytes 0 zero-fills.
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// Stages the K and V rows of one tile (rows at or past nvalid zero-filled); for FP8 also the rows'
+// scales, lanes 0..15 the K scales and 16..31 the V scales (ks, vs are unused otherwise).
 template <typename T, int D>
 __device__ __forceinline__ void issue_tile(unsigned sdst, const T* __restrict__ kp, const T* __restrict__ vp,
+                                           const float* __restrict__ ks, const float* __restrict__ vs,
                                            long long rowbase, long long rowstride, int nvalid, int lane) {
   typedef Geo<T, D> G;
 #pragma unroll
@@ -165,12 +180,57 @@ __device__ __forceinline__ void issue_tile(unsigned sdst, const T* __restrict__ 
     const int idx = lane + 32 * k;
     const int r = idx / G::CPR;
     const int cc = idx % G::CPR;
-    const unsigned so = (G::ES == 2) ? swz<D>(r, cc) : (unsigned)(r * (4 * D) + (cc << 4));
+    const unsigned so = (G::ES == 2)   ? swz<D>(r, cc)
+                        : (G::ES == 1) ? (unsigned)(G::RAW + r * D + (cc << 4))
+                                       : (unsigned)(r * (4 * D) + (cc << 4));
     const bool ok = r < nvalid;
     const long long eo = ok ? rowbase + (long long)r * rowstride + (long long)(cc * G::EPC) : 0;
     const int nb = ok ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled, nothing is read
     cp_async16(sdst + so, kp + eo, nb);
     cp_async16(sdst + G::MAT + so, vp + eo, nb);
+  }
+  if (G::ES == 1) {
+    const int r = lane & 15;
+    const bool ok = r < nvalid;
+    const long long si = ok ? (rowbase + (long long)r * rowstride) / D : 0;
+    cp_async4(sdst + 2 * G::MAT + 4 * lane, (lane < 16 ? ks : vs) + si, ok ? 4 : 0);
+  }
+}
+
+// The value of an FP8 E4M3 code times its row's scale, as kernels/engine.cu reads the pool
+// (fp8_e4m3_value(c) * scale, the same f32 bits): 0x7f and 0xff are NaN, no infinities.
+__device__ __forceinline__ float fp8_scaled(unsigned c, float scale) {
+  const unsigned mag = c & 0x7fu;
+  float a = (mag >> 3) == 0u ? (float)mag * 0.001953125f : __uint_as_float((mag << 20) + (120u << 23));
+  if (mag == 0x7fu) a = __uint_as_float(0x7fc00000u);
+  return ((c & 0x80u) ? -a : a) * scale;
+}
+
+// In place: FP8 codes [16][D] at base + RAW (the upper half) with the rows' scales at `scales`
+// -> swizzled bf16 [16][D] over the whole area. Every lane reads all of its codes before the
+// __syncwarp, so no write (rows 8..15 land on the codes) comes before a read.
+template <int D>
+__device__ __forceinline__ void convert_fp8_tile_inplace(unsigned char* base, const float* scales, int lane) {
+  constexpr int PER = D / 32;  // 16-code chunks per lane (16 rows * D codes / 16 / 32)
+  uint4 v[PER];
+  const uint4* src = reinterpret_cast<const uint4*>(base + 16 * D);
+#pragma unroll
+  for (int k = 0; k < PER; ++k) v[k] = src[lane + 32 * k];
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int idx = lane + 32 * k;
+    const int r = idx / (D / 16), cc = idx % (D / 16);
+    const float sc = scales[r];
+    const unsigned w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+    unsigned pk[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      pk[2 * j] = pack_bf16x2_rne(fp8_scaled(w[j] & 0xffu, sc), fp8_scaled((w[j] >> 8) & 0xffu, sc));
+      pk[2 * j + 1] = pack_bf16x2_rne(fp8_scaled((w[j] >> 16) & 0xffu, sc), fp8_scaled(w[j] >> 24, sc));
+    }
+    *reinterpret_cast<uint4*>(base + swz<D>(r, 2 * cc)) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+    *reinterpret_cast<uint4*>(base + swz<D>(r, 2 * cc + 1)) = make_uint4(pk[4], pk[5], pk[6], pk[7]);
   }
 }
 
@@ -304,7 +364,9 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
                                          const int* __restrict__ block_tables, const int* __restrict__ context_lens,
                                          float* __restrict__ partial_out, float* __restrict__ partial_ml, int mbps,
                                          int nh, int nkv, int bs, int split_len, int max_splits, float scale,
-                                         unsigned char* smem, int kvh, int seq, int split) {
+                                         unsigned char* smem, int kvh, int seq, int split,
+                                         const float* __restrict__ ks = nullptr,
+                                         const float* __restrict__ vs = nullptr) {
   typedef Geo<T, D> G;
   static_assert(G::STAGES >= 1, "DA_SMEM_BYTES too small");
   static_assert(32 + 16 * D <= G::REGION / 4, "epilogue does not fit the warp region");
@@ -377,7 +439,7 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
     const int blk_ = pos0_ / bs;                                                             \
     const int off_ = pos0_ - blk_ * bs;                                                      \
     const long long rowbase_ = (((long long)phys_ * bs + off_) * nkv + kvh) * (long long)D;  \
-    issue_tile<T, D>(wreg_s + slot_ * G::STAGE, kp, vp, rowbase_, rowstride, len - pos0_, lane); \
+    issue_tile<T, D>(wreg_s + slot_ * G::STAGE, kp, vp, ks, vs, rowbase_, rowstride, len - pos0_, lane); \
     ++nx;                                                                                    \
   }
 
@@ -395,6 +457,11 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
     if (G::ES == 4) {
       convert_f32_tile_inplace<D>(wreg + slot * G::STAGE, lane);
       convert_f32_tile_inplace<D>(wreg + slot * G::STAGE + G::MAT, lane);
+      __syncwarp();
+    } else if (G::ES == 1) {
+      const float* sc = reinterpret_cast<const float*>(wreg + slot * G::STAGE + 2 * G::MAT);
+      convert_fp8_tile_inplace<D>(wreg + slot * G::STAGE, sc, lane);
+      convert_fp8_tile_inplace<D>(wreg + slot * G::STAGE + G::MAT, sc + 16, lane);
       __syncwarp();
     }
     const unsigned sb = wreg_s + slot * G::STAGE;
@@ -575,17 +642,19 @@ template <typename T>
 __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k_pool, const T* v_pool,
                                           const int* block_tables, const int* context_lens, float* partial_out,
                                           float* partial_ml, int mbps, int nh, int nkv, int bs, int head_dim,
-                                          int split_len, int max_splits, float scale, unsigned* done) {
+                                          int split_len, int max_splits, float scale, unsigned* done,
+                                          const float* k_scale = nullptr, const float* v_scale = nullptr) {
   extern __shared__ __align__(16) unsigned char da_smem[];
   if (!DA_TRIGGER_LATE) da::pdl_trigger();
   da::pdl_wait_only();
   const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
   if (head_dim == 64)
     da::mma_impl<T, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh,
-                               nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split);
+                               nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale, v_scale);
   else if (head_dim == 128)
     da::mma_impl<T, 128, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps,
-                                nh, nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split);
+                                nh, nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale,
+                                v_scale);
   else
     return;
   if (DA_TRIGGER_LATE) da::pdl_trigger();
@@ -625,6 +694,21 @@ decode_attn_mma_f32kv(float* out, const float* q, const float* k_pool, const flo
   TD_SCOPE("decode_attn_mma_f32kv");
   mma_entry<float>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, max_blocks_per_seq,
                    num_heads, num_kv_heads, block_size, head_dim, split_len, max_splits, scale, done);
+}
+
+// FP8 pools: the scales of every (position, KV head), as the pool's writer stored them. With
+// head_dim 128 a stage (two bf16-sized matrices and the scales) is 8320 bytes, so each warp has one
+// stage and waits on each tile's loads (head_dim 64: three stages).
+extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
+decode_attn_mma_fp8kv(float* out, const float* q, const unsigned char* k_pool, const unsigned char* v_pool,
+                      const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,
+                      int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
+                      int split_len, int max_splits, float scale, unsigned* done, const float* k_scale,
+                      const float* v_scale) {
+  TD_SCOPE("decode_attn_mma_fp8kv");
+  mma_entry<unsigned char>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
+                           max_blocks_per_seq, num_heads, num_kv_heads, block_size, head_dim, split_len, max_splits,
+                           scale, done, k_scale, v_scale);
 }
 
 extern "C" __global__ void __launch_bounds__(DA_COMBINE_THREADS)

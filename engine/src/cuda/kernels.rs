@@ -114,6 +114,7 @@ pub const DECODE_MMA: KernelSource = KernelSource {
     entry_points: &[
         "decode_attn_mma_bf16kv",
         "decode_attn_mma_f32kv",
+        "decode_attn_mma_fp8kv",
         "decode_attn_combine",
     ],
 };

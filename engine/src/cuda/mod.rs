@@ -487,8 +487,8 @@ struct PoolKernels {
     gemv_qkv_rope: Vec<CudaFunction>,
     attention: CudaFunction,
     attention_scores: CudaFunction,
-    /// The tensor-core decode kernel (none for FP8).
-    decode_mma: Option<CudaFunction>,
+    /// The tensor-core decode kernel (`attn_decode=mma-bf16`); FP8 pools pass their scales too.
+    decode_mma: CudaFunction,
     /// The tiled prefill kernel for this model's head_dim (none for other head dims).
     prefill: Option<CudaFunction>,
 }
@@ -590,9 +590,9 @@ impl Kernels {
         let pool = |elem: KvElem| -> Result<PoolKernels> {
             let sfx = elem.suffix();
             let mma_name = match elem {
-                KvElem::F32 => Some("decode_attn_mma_f32kv"),
-                KvElem::Bf16 => Some("decode_attn_mma_bf16kv"),
-                KvElem::Fp8 => None,
+                KvElem::F32 => "decode_attn_mma_f32kv",
+                KvElem::Bf16 => "decode_attn_mma_bf16kv",
+                KvElem::Fp8 => "decode_attn_mma_fp8kv",
             };
             Ok(PoolKernels {
                 rope_kv_write: f(&format!("rope_kv_write{sfx}"))?,
@@ -602,9 +602,7 @@ impl Kernels {
                 },
                 attention: f(&format!("attention{sfx}"))?,
                 attention_scores: f(&format!("attention_scores{sfx}"))?,
-                decode_mma: mma_name
-                    .map(|name| load_with_smem(&mma, name, kernels::DECODE_MMA_SMEM))
-                    .transpose()?,
+                decode_mma: load_with_smem(&mma, mma_name, kernels::DECODE_MMA_SMEM)?,
                 prefill: prefill
                     .as_ref()
                     .map(|m| {
@@ -1676,7 +1674,6 @@ impl Inner {
         let mma = if toggles.attn_decode == AttnDecode::MmaBf16
             && topk.is_none()
             && mma_shape_ok
-            && self.gpu.k.pool(kv.elem).decode_mma.is_some()
             && nr > 0
         {
             let (split_len, max_splits) = split_rule(nr, nkv, max_len, sms, tune::get().split_min);
@@ -1736,6 +1733,7 @@ impl Inner {
             && meta.n_logit_rows == 1
             && meta.n_simt_rows == 0
             && meta.n_tiles == 0
+            && kv.elem != KvElem::Fp8
             && matches!(hd, 64 | 128);
         let mega = match (&mma, mega_applies) {
             (Some(m), true) if !m.gather => {
@@ -2062,7 +2060,7 @@ impl Inner {
                         256,
                     )?;
                 }
-                Args::new()
+                let a = Args::new()
                     .p(m.o_dec)
                     .p(m.q_dec)
                     .p(kp)
@@ -2079,17 +2077,19 @@ impl Inner {
                     .i(m.split_len)
                     .i(m.max_splits)
                     .f(pass.scale)
-                    .p(m.done)
-                    .launch_pdl(
-                        s,
-                        pk.decode_mma.as_ref().ok_or_else(|| {
-                            Error::Device("no tensor-core decode kernel for this KV pool".into())
-                        })?,
-                        (nkv, nr, m.max_splits),
-                        128,
-                        kernels::DECODE_MMA_SMEM,
-                        early,
-                    )?;
+                    .p(m.done);
+                let a = match kv.elem {
+                    KvElem::Fp8 => a.p(ksc).p(vsc),
+                    KvElem::F32 | KvElem::Bf16 => a,
+                };
+                a.launch_pdl(
+                    s,
+                    &pk.decode_mma,
+                    (nkv, nr, m.max_splits),
+                    128,
+                    kernels::DECODE_MMA_SMEM,
+                    early,
+                )?;
                 let merged = MergedSplits {
                     att: m.o_dec,
                     partial_out: m.partial_out,

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Runs the tile staging and conversion code of kernels/decode_attention_mma.cu on the CPU.
+
+The FP8 variant of the tensor-core decode kernel (decode_attn_mma_fp8kv) stages FP8 codes and
+their per-row scales with cp.async and converts them in place to the swizzled bf16 tile the mma
+loop reads. Its contract: the tile must hold the same bits as the f32 variant builds from an f32
+pool holding code * scale. This script cuts `Geo`, `swz`, `issue_tile`, `fp8_scaled` and both
+`convert_*_tile_inplace` out of the kernel source (and the FP8 store from kernels/engine.cu),
+compiles them with g++ for the host with 32 threads standing in for a warp's lanes
+(`__syncwarp` a std::barrier, cp.async a copy), stages random K/V tiles both ways for head_dim
+64 and 128 with some rows past the context end, and compares the tiles byte for byte. It checks
+the index arithmetic and the decode, not the GPU's memory model; the GPU test
+`cuda_packed_kv_pools_are_bit_identical_to_an_f32_pool` checks the whole kernel.
+
+    python3 ci/mma_tile_host_check.py     # needs g++ (C++20)
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cut(src, start, end_fn):
+    """The text from `start` to the closing brace of the function named end_fn."""
+    i = src.index(start)
+    j = src.index(end_fn, i)
+    k = src.index("{", j)
+    depth = 0
+    for n in range(k, len(src)):
+        if src[n] == "{":
+            depth += 1
+        elif src[n] == "}":
+            depth -= 1
+            if depth == 0:
+                return src[i : n + 1]
+    raise SystemExit(f"unbalanced braces after {end_fn}")
+
+
+mma = open(os.path.join(ROOT, "kernels/decode_attention_mma.cu")).read()
+eng = open(os.path.join(ROOT, "kernels/engine.cu")).read()
+tiles = cut(mma, "template <typename T, int D>\nstruct Geo", "convert_f32_tile_inplace(")
+tiles = re.sub(r"__device__ __forceinline__ void cp_async4\(.*?\n}\n", "", tiles, flags=re.S)
+fp8 = cut(eng, "__device__ __forceinline__ float round_fp8_e4m3", "fp8_store(")
+
+PRELUDE = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define DA_SMEM_BYTES 65536
+#define DA_WARPS 4
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct uint2 { unsigned x, y; };
+static uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+static float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static unsigned char* g_smem;
+static std::barrier<>* g_bar;
+static void __syncwarp() { g_bar->arrive_and_wait(); }
+static void cp_async16(unsigned dst, const void* src, int n) {
+  memset(g_smem + dst, 0, 16);
+  if (n) memcpy(g_smem + dst, src, 16);
+}
+static void cp_async4(unsigned dst, const void* src, int n) {
+  memset(g_smem + dst, 0, 4);
+  if (n) memcpy(g_smem + dst, src, 4);
+}
+// cvt.rn.bf16x2.f32: round to nearest even, NaN kept a (quiet) NaN.
+static unsigned bf16_rne(float x) {
+  unsigned b = __float_as_uint(x);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u;
+  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+static unsigned pack_bf16x2_rne(float lo, float hi) { return bf16_rne(lo) | (bf16_rne(hi) << 16); }
+"""
+
+MAIN = r"""
+typedef unsigned char fp8_t;
+using std::isnan; using std::isfinite; using std::signbit; using std::max;
+FP8_CODE
+namespace da {
+TILE_CODE
+}
+using namespace da;
+
+// One tile through `lanes` (issue, then convert) into smem; returns the K and V bf16 areas.
+template <typename T, int D>
+static std::vector<unsigned char> stage(const T* kp, const T* vp, const float* ks, const float* vs,
+                                        long long rowbase, long long rowstride, int nvalid) {
+  typedef Geo<T, D> G;
+  std::vector<unsigned char> smem(G::STAGE, 0xAB);  // poisoned
+  g_smem = smem.data();
+  std::barrier<> bar(32);
+  g_bar = &bar;
+  std::vector<std::thread> lanes;
+  for (int lane = 0; lane < 32; ++lane)
+    lanes.emplace_back([&, lane] {
+      issue_tile<T, D>(0, kp, vp, ks, vs, rowbase, rowstride, nvalid, lane);
+      __syncwarp();
+      if (G::ES == 4) {
+        convert_f32_tile_inplace<D>(g_smem, lane);
+        convert_f32_tile_inplace<D>(g_smem + G::MAT, lane);
+      } else if (G::ES == 1) {
+        const float* sc = reinterpret_cast<const float*>(g_smem + 2 * G::MAT);
+        convert_fp8_tile_inplace<D>(g_smem, sc, lane);
+        convert_fp8_tile_inplace<D>(g_smem + G::MAT, sc + 16, lane);
+      }
+    });
+  for (auto& t : lanes) t.join();
+  std::vector<unsigned char> kv(smem.begin(), smem.begin() + 2 * 32 * D);  // K then V, bf16 each
+  if (G::ES == 1) memcpy(kv.data() + 32 * D, smem.data() + G::MAT, 32 * D);
+  else if (G::ES == 4) memcpy(kv.data() + 32 * D, smem.data() + G::MAT, 32 * D);
+  return kv;
+}
+
+template <int D>
+static int check(std::mt19937& rng, int nkv, int kvh, int nvalid) {
+  const int rows = 40;  // pool rows (positions); the tile starts at row 5
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> mag(-6.f, 6.f);
+  std::vector<float> kf(rows * nkv * D), vf(rows * nkv * D), ksc(rows * nkv), vsc(rows * nkv);
+  std::vector<fp8_t> kc(kf.size()), vc(vf.size());
+  for (int pos = 0; pos < rows; ++pos)
+    for (int h = 0; h < nkv; ++h) {
+      const size_t o = ((size_t)pos * nkv + h) * D;
+      for (int pass = 0; pass < 2; ++pass) {
+        float* f = pass ? vf.data() : kf.data();
+        fp8_t* c = pass ? vc.data() : kc.data();
+        const float s = std::exp2(mag(rng));
+        float amax = 0.f;
+        for (int d = 0; d < D; ++d) { f[o + d] = nd(rng) * s; amax = std::max(amax, std::fabs(f[o + d])); }
+        if (pos == 7 && pass == 0) { amax = 0.f; for (int d = 0; d < D; ++d) f[o + d] = 0.f; }  // an all-zero head
+        const float sc = fp8_head_scale(amax);
+        (pass ? vsc : ksc)[o / D] = sc;
+        for (int d = 0; d < D; ++d) c[o + d] = fp8_store(f[o + d], sc, &f[o + d]);  // f: what an f32 pool holds
+      }
+    }
+  const long long rowbase = ((long long)5 * nkv + kvh) * D, stride = (long long)nkv * D;
+  auto a = stage<float, D>(kf.data(), vf.data(), nullptr, nullptr, rowbase, stride, nvalid);
+  auto b = stage<unsigned char, D>(kc.data(), vc.data(), ksc.data(), vsc.data(), rowbase, stride, nvalid);
+  int bad = 0;
+  for (size_t i = 0; i < a.size(); ++i) bad += a[i] != b[i];
+  printf("head_dim %3d, %d KV heads, head %d, %2d valid rows: %s (%d of %zu bytes differ)\n", D, nkv, kvh, nvalid,
+         bad ? "DIFFERENT" : "identical", bad, a.size());
+  return bad != 0;
+}
+
+int main() {
+  std::mt19937 rng(std::random_device{}());
+  int fails = 0;
+  // fp8_scaled against engine.cu's reader for every code and random scales (incl. 0 and NaN).
+  std::uniform_real_distribution<float> e(-30.f, 30.f);
+  for (int c = 0; c < 256; ++c)
+    for (int t = 0; t < 64; ++t) {
+      float s = t == 0 ? 0.f : t == 1 ? NAN : std::exp2(e(rng));
+      float x = fp8_scaled(c, s), y = fp8_e4m3_value(c) * s;
+      if (!(__float_as_uint(x) == __float_as_uint(y) || (std::isnan(x) && std::isnan(y)))) {
+        if (fails++ < 5) printf("fp8_scaled(%#x, %g) = %g, engine.cu reads %g\n", c, s, x, y);
+      }
+    }
+  printf("fp8_scaled vs fp8_e4m3_value * scale: %s\n", fails ? "DIFFERENT" : "identical on 256 codes x 64 scales");
+  for (int nvalid : {16, 11, 1}) {
+    fails += check<64>(rng, 8, 3, nvalid);
+    fails += check<128>(rng, 2, 1, nvalid);
+  }
+  return fails ? 1 : 0;
+}
+"""
+
+# engine.cu's fp8_e4m3_value is defined between round_fp8_e4m3 and fp8_store, so it is in FP8_CODE.
+code = PRELUDE + MAIN.replace("FP8_CODE", fp8).replace("TILE_CODE", tiles)
+with tempfile.TemporaryDirectory() as d:
+    src, exe = os.path.join(d, "check.cpp"), os.path.join(d, "check")
+    open(src, "w").write(code)
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-w", src, "-o", exe])
+    if r.returncode:
+        sys.exit("g++ failed")
+    sys.exit(subprocess.run([exe]).returncode)
