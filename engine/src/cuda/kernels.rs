@@ -311,4 +311,93 @@ mod tests {
             }
         }
     }
+
+    /// The text between the parenthesis at `open` and its match.
+    fn parenthesised(code: &str, open: usize) -> &str {
+        let mut depth = 0;
+        for (i, ch) in code[open..].char_indices() {
+            match ch {
+                '(' => depth += 1,
+                ')' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        return &code[open + 1..open + i];
+                    }
+                }
+                _ => {}
+            }
+        }
+        panic!("unbalanced parentheses")
+    }
+
+    /// The parameters of a parameter list, expanding a lone `MACRO(..)` from its `#define`.
+    fn parameters(code: &str, list: &str) -> usize {
+        let list = list.trim();
+        let macro_name = list
+            .strip_suffix(')')
+            .and_then(|l| l.split_once('('))
+            .map(|p| p.0)
+            .filter(|name| !name.contains([',', ' ']));
+        if let Some(name) = macro_name {
+            let def = format!("#define {name}(");
+            let at = code.find(&def).expect("the macro's #define") + def.len() - 1;
+            let rest = &code[at + parenthesised(code, at).len() + 2..];
+            let body: String = rest
+                .lines()
+                .scan(true, |more, line| {
+                    let keep = *more;
+                    *more = line.trim_end().ends_with('\\');
+                    keep.then(|| line.trim_end().trim_end_matches('\\').to_string())
+                })
+                .collect::<Vec<_>>()
+                .join(" ");
+            return parameters(code, &body);
+        }
+        let mut depth = 0;
+        1 + list
+            .chars()
+            .filter(|&c| {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    _ => {}
+                }
+                c == ',' && depth == 0
+            })
+            .count()
+    }
+
+    #[test]
+    fn no_entry_point_takes_more_arguments_than_a_launch_holds() {
+        // A launch packs its arguments into a fixed array; an entry point with more parameters
+        // panics at launch, which a CPU-only run never reaches (the fused q/k/v + RoPE GEMV
+        // outgrew 24 slots this way).
+        let mut longest = ("", 0);
+        for src in ALL {
+            for e in src.entry_points {
+                let at = src
+                    .code
+                    .match_indices(&format!("{e}("))
+                    .filter(|&(i, _)| {
+                        let b = src.code.as_bytes()[i.saturating_sub(1)];
+                        !(b.is_ascii_alphanumeric() || b == b'_')
+                    })
+                    .map(|(i, _)| i + e.len())
+                    .find(|&i| src.code[i.saturating_sub(160)..i].contains("__global__"))
+                    .unwrap_or_else(|| panic!("{} lacks {e}", src.name));
+                let n = parameters(src.code, parenthesised(src.code, at));
+                assert!(
+                    n <= crate::cuda::MAX_KERNEL_ARGS,
+                    "{e} takes {n} parameters, a launch holds {}",
+                    crate::cuda::MAX_KERNEL_ARGS
+                );
+                if n > longest.1 {
+                    longest = (e, n);
+                }
+            }
+        }
+        // The count is real: the fused q/k/v + RoPE GEMV's list comes from its macro.
+        assert!(longest.1 >= 20, "{longest:?}");
+        println!("longest parameter list: {} ({})", longest.0, longest.1);
+    }
 }

@@ -638,19 +638,27 @@ impl Kernels {
 /// Kernel arguments, each in its own 8-byte slot (CUDA reads 4-byte values from the slot's start
 /// on this little-endian host), so the parameter pointers stay valid for the launch.
 struct Args {
-    slots: [u64; 32],
+    slots: [u64; MAX_KERNEL_ARGS],
     n: usize,
 }
+
+/// The most parameters a kernel entry point may take (`Args` holds that many); a test counts
+/// every entry point's parameters in the sources, since an overflow would only surface on a GPU.
+pub(crate) const MAX_KERNEL_ARGS: usize = 32;
 
 impl Args {
     fn new() -> Self {
         Args {
-            slots: [0; 32],
+            slots: [0; MAX_KERNEL_ARGS],
             n: 0,
         }
     }
 
     fn push(mut self, v: u64) -> Self {
+        assert!(
+            self.n < MAX_KERNEL_ARGS,
+            "a kernel launch with more than {MAX_KERNEL_ARGS} arguments"
+        );
         self.slots[self.n] = v;
         self.n += 1;
         self
