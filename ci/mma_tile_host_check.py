@@ -14,60 +14,20 @@ the index arithmetic and the decode, not the GPU's memory model; the GPU test
 
     python3 ci/mma_tile_host_check.py     # needs g++ (C++20)
 """
-import os
 import re
-import subprocess
-import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cuda_host import cut, run, source
 
-
-def cut(src, start, end_fn):
-    """The text from `start` to the closing brace of the function named end_fn."""
-    i = src.index(start)
-    j = src.index(end_fn, i)
-    k = src.index("{", j)
-    depth = 0
-    for n in range(k, len(src)):
-        if src[n] == "{":
-            depth += 1
-        elif src[n] == "}":
-            depth -= 1
-            if depth == 0:
-                return src[i : n + 1]
-    raise SystemExit(f"unbalanced braces after {end_fn}")
-
-
-mma = open(os.path.join(ROOT, "kernels/decode_attention_mma.cu")).read()
-eng = open(os.path.join(ROOT, "kernels/engine.cu")).read()
+mma = source("decode_attention_mma.cu")
+eng = source("engine.cu")
 tiles = cut(mma, "template <typename T, int D>\nstruct Geo", "convert_f32_tile_inplace(")
 tiles = re.sub(r"__device__ __forceinline__ void cp_async4\(.*?\n}\n", "", tiles, flags=re.S)
 fp8 = cut(eng, "__device__ __forceinline__ float round_fp8_e4m3", "fp8_store(")
 
-PRELUDE = r"""
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <random>
-#include <thread>
-#include <vector>
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
+STAGING = r"""
 #define DA_SMEM_BYTES 65536
 #define DA_WARPS 4
-struct uint4 { unsigned x, y, z, w; };
-struct float4 { float x, y, z, w; };
-struct uint2 { unsigned x, y; };
-static uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
-static float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
-static unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 static unsigned char* g_smem;
-static std::barrier<>* g_bar;
-static void __syncwarp() { g_bar->arrive_and_wait(); }
 static void cp_async16(unsigned dst, const void* src, int n) {
   memset(g_smem + dst, 0, 16);
   if (n) memcpy(g_smem + dst, src, 16);
@@ -87,7 +47,6 @@ static unsigned pack_bf16x2_rne(float lo, float hi) { return bf16_rne(lo) | (bf1
 
 MAIN = r"""
 typedef unsigned char fp8_t;
-using std::isnan; using std::isfinite; using std::signbit; using std::max;
 FP8_CODE
 namespace da {
 TILE_CODE
@@ -101,23 +60,19 @@ static std::vector<unsigned char> stage(const T* kp, const T* vp, const float* k
   typedef Geo<T, D> G;
   std::vector<unsigned char> smem(G::STAGE, 0xAB);  // poisoned
   g_smem = smem.data();
-  std::barrier<> bar(32);
-  g_bar = &bar;
-  std::vector<std::thread> lanes;
-  for (int lane = 0; lane < 32; ++lane)
-    lanes.emplace_back([&, lane] {
-      issue_tile<T, D>(0, kp, vp, ks, vs, rowbase, rowstride, nvalid, lane);
-      __syncwarp();
-      if (G::ES == 4) {
-        convert_f32_tile_inplace<D>(g_smem, lane);
-        convert_f32_tile_inplace<D>(g_smem + G::MAT, lane);
-      } else if (G::ES == 1) {
-        const float* sc = reinterpret_cast<const float*>(g_smem + 2 * G::MAT);
-        convert_fp8_tile_inplace<D>(g_smem, sc, lane);
-        convert_fp8_tile_inplace<D>(g_smem + G::MAT, sc + 16, lane);
-      }
-    });
-  for (auto& t : lanes) t.join();
+  launch(dim3{1, 1, 1}, 32, [&] {
+    const int lane = threadIdx.x;
+    issue_tile<T, D>(0, kp, vp, ks, vs, rowbase, rowstride, nvalid, lane);
+    __syncwarp();
+    if (G::ES == 4) {
+      convert_f32_tile_inplace<D>(g_smem, lane);
+      convert_f32_tile_inplace<D>(g_smem + G::MAT, lane);
+    } else if (G::ES == 1) {
+      const float* sc = reinterpret_cast<const float*>(g_smem + 2 * G::MAT);
+      convert_fp8_tile_inplace<D>(g_smem, sc, lane);
+      convert_fp8_tile_inplace<D>(g_smem + G::MAT, sc + 16, lane);
+    }
+  });
   std::vector<unsigned char> kv(smem.begin(), smem.begin() + 2 * 32 * D);  // K then V, bf16 each
   if (G::ES == 1) memcpy(kv.data() + 32 * D, smem.data() + G::MAT, 32 * D);
   else if (G::ES == 4) memcpy(kv.data() + 32 * D, smem.data() + G::MAT, 32 * D);
@@ -179,11 +134,4 @@ int main() {
 """
 
 # engine.cu's fp8_e4m3_value is defined between round_fp8_e4m3 and fp8_store, so it is in FP8_CODE.
-code = PRELUDE + MAIN.replace("FP8_CODE", fp8).replace("TILE_CODE", tiles)
-with tempfile.TemporaryDirectory() as d:
-    src, exe = os.path.join(d, "check.cpp"), os.path.join(d, "check")
-    open(src, "w").write(code)
-    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-w", src, "-o", exe])
-    if r.returncode:
-        sys.exit("g++ failed")
-    sys.exit(subprocess.run([exe]).returncode)
+run(STAGING + MAIN.replace("FP8_CODE", fp8).replace("TILE_CODE", tiles), "mma_tile_host_check")

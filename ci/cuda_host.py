@@ -1,0 +1,121 @@
+"""Runs pieces of our CUDA kernels on the CPU, for checks that must not wait for a GPU.
+
+The kernels are plain CUDA C++; what makes them GPU code is a handful of built-ins. `PRELUDE`
+defines those for the host: a block runs as blockDim.x std::threads (blocks one after another, so
+`__shared__` can be a function-local static), `__syncthreads` and `__syncwarp` are std::barriers,
+and the warp shuffles go through a per-warp exchange buffer between two warp barriers. `cut`
+takes a function (or a span of them) out of a kernel source by name, so a check runs the code the
+GPU runs, not a copy. Math functions are the host's (expf, sincosf may differ from CUDA's in the
+last bits), so a check compares two paths through the same code, or bounds the error against a
+double-precision reference; it says nothing about the GPU's memory model or speed.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source(name):
+    """The text of kernels/<name>."""
+    with open(os.path.join(ROOT, "kernels", name)) as f:
+        return f.read()
+
+
+def cut(src, start, end_fn):
+    """The text from `start` to the closing brace of the first function named end_fn after it."""
+    i = src.index(start)
+    j = src.index(end_fn, i)
+    k = src.index("{", j)
+    depth = 0
+    for n in range(k, len(src)):
+        if src[n] == "{":
+            depth += 1
+        elif src[n] == "}":
+            depth -= 1
+            if depth == 0:
+                return src[i : n + 1]
+    raise SystemExit(f"unbalanced braces after {end_fn}")
+
+
+PRELUDE = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+using std::isfinite; using std::isnan; using std::signbit; using std::max; using std::min;
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct uint2 { unsigned x, y; };
+struct dim3 { unsigned x = 0, y = 0, z = 0; };
+static uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+static float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+static thread_local dim3 threadIdx;
+static dim3 blockIdx, blockDim, gridDim;
+static std::unique_ptr<std::barrier<>> g_block_bar;
+static std::vector<std::unique_ptr<std::barrier<>>> g_warp_bars;
+static std::vector<float> g_xchg;
+static void __syncthreads() { g_block_bar->arrive_and_wait(); }
+static void __syncwarp(unsigned = 0xffffffffu) { g_warp_bars[threadIdx.x >> 5]->arrive_and_wait(); }
+// A warp shuffle: every lane of the warp must call it (as the kernels' full-mask shuffles require).
+static float shfl_from(float v, int src_lane) {
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  g_xchg[w * 32 + lane] = v;
+  __syncwarp();
+  const float r = g_xchg[w * 32 + (src_lane & 31)];
+  __syncwarp();
+  return r;
+}
+static float __shfl_xor_sync(unsigned, float v, int m) { return shfl_from(v, (threadIdx.x & 31) ^ m); }
+static float __shfl_sync(unsigned, float v, int l) { return shfl_from(v, l); }
+static float __shfl_down_sync(unsigned, float v, int d) {
+  const int l = (threadIdx.x & 31) + d;
+  const float r = shfl_from(v, l < 32 ? l : (threadIdx.x & 31));
+  return r;
+}
+// Runs kernel body `f` over a grid, one block at a time, blockDim.x threads per block.
+static void launch(dim3 grid, unsigned threads, const std::function<void()>& f) {
+  gridDim = grid;
+  blockDim = dim3{threads, 1, 1};
+  const unsigned warps = (threads + 31) / 32;
+  g_xchg.assign(warps * 32, 0.f);
+  for (unsigned z = 0; z < std::max(grid.z, 1u); ++z)
+    for (unsigned y = 0; y < std::max(grid.y, 1u); ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx = dim3{x, y, z};
+        g_block_bar = std::make_unique<std::barrier<>>(threads);
+        g_warp_bars.clear();
+        for (unsigned w = 0; w < warps; ++w) g_warp_bars.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w)));
+        std::vector<std::thread> ts;
+        for (unsigned t = 0; t < threads; ++t)
+          ts.emplace_back([&, t] { threadIdx = dim3{t, 0, 0}; f(); });
+        for (auto& th : ts) th.join();
+      }
+}
+"""
+
+
+def run(code, label):
+    """Compiles `code` (after PRELUDE) with g++ and runs it; exits with its status."""
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = os.path.join(d, "check.cpp"), os.path.join(d, "check")
+        with open(src, "w") as f:
+            f.write(PRELUDE + code)
+        r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-w", src, "-o", exe])
+        if r.returncode:
+            sys.exit(f"{label}: g++ failed")
+        sys.exit(subprocess.run([exe]).returncode)
