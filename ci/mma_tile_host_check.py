@@ -9,7 +9,9 @@ pool holding code * scale. This script cuts `Geo`, `swz`, `issue_tile`, `fp8_sca
 compiles them with g++ for the host with 32 threads standing in for a warp's lanes
 (`__syncwarp` a std::barrier, cp.async a copy), stages random K/V tiles both ways for head_dim
 64 and 128 with some rows past the context end, and compares the tiles byte for byte. It checks
-the index arithmetic and the decode, not the GPU's memory model; the GPU test
+the index arithmetic and the decode, not the GPU's memory model. It also holds the FP8 decode
+copies of the mma and prefill kernels (each kernel file compiles on its own) to engine.cu's for
+every code; the GPU test
 `cuda_packed_kv_pools_are_bit_identical_to_an_f32_pool` checks the whole kernel.
 
     python3 ci/mma_tile_host_check.py     # needs g++ (C++20)
@@ -23,6 +25,8 @@ eng = source("engine.cu")
 tiles = cut(mma, "template <typename T, int D>\nstruct Geo", "convert_f32_tile_inplace(")
 tiles = re.sub(r"__device__ __forceinline__ void cp_async4\(.*?\n}\n", "", tiles, flags=re.S)
 fp8 = cut(eng, "__device__ __forceinline__ float round_fp8_e4m3", "fp8_store(")
+# The prefill kernel's copy of the FP8 decode (each kernel file compiles on its own, no #include).
+prefill_fp8 = cut(source("prefill_attention.cu"), "__device__ __forceinline__ float fp8_value", "fp8_value(")
 
 STAGING = r"""
 #define DA_SMEM_BYTES 65536
@@ -48,6 +52,9 @@ static unsigned pack_bf16x2_rne(float lo, float hi) { return bf16_rne(lo) | (bf1
 MAIN = r"""
 typedef unsigned char fp8_t;
 FP8_CODE
+namespace pa {
+PREFILL_FP8
+}
 namespace da {
 TILE_CODE
 }
@@ -73,9 +80,9 @@ static std::vector<unsigned char> stage(const T* kp, const T* vp, const float* k
       convert_fp8_tile_inplace<D>(g_smem + G::MAT, sc + 16, lane);
     }
   });
-  std::vector<unsigned char> kv(smem.begin(), smem.begin() + 2 * 32 * D);  // K then V, bf16 each
-  if (G::ES == 1) memcpy(kv.data() + 32 * D, smem.data() + G::MAT, 32 * D);
-  else if (G::ES == 4) memcpy(kv.data() + 32 * D, smem.data() + G::MAT, 32 * D);
+  std::vector<unsigned char> kv(64 * D);  // the K then the V bf16 tile
+  memcpy(kv.data(), smem.data(), 32 * D);
+  memcpy(kv.data() + 32 * D, smem.data() + G::MAT, 32 * D);
   return kv;
 }
 
@@ -119,12 +126,14 @@ int main() {
   for (int c = 0; c < 256; ++c)
     for (int t = 0; t < 64; ++t) {
       float s = t == 0 ? 0.f : t == 1 ? NAN : std::exp2(e(rng));
-      float x = fp8_scaled(c, s), y = fp8_e4m3_value(c) * s;
-      if (!(__float_as_uint(x) == __float_as_uint(y) || (std::isnan(x) && std::isnan(y)))) {
-        if (fails++ < 5) printf("fp8_scaled(%#x, %g) = %g, engine.cu reads %g\n", c, s, x, y);
+      float x = fp8_scaled(c, s), y = fp8_e4m3_value(c) * s, z = pa::fp8_value(c) * s;
+      auto eq = [](float a, float b) { return __float_as_uint(a) == __float_as_uint(b) || (std::isnan(a) && std::isnan(b)); };
+      if (!eq(x, y) || !eq(z, y)) {
+        if (fails++ < 5) printf("code %#x, scale %g: mma %g, prefill %g, engine.cu %g\n", c, s, x, z, y);
       }
     }
-  printf("fp8_scaled vs fp8_e4m3_value * scale: %s\n", fails ? "DIFFERENT" : "identical on 256 codes x 64 scales");
+  printf("FP8 decode of the mma and prefill kernels vs engine.cu's fp8_e4m3_value: %s\n",
+         fails ? "DIFFERENT" : "identical on 256 codes x 64 scales");
   for (int nvalid : {16, 11, 1}) {
     fails += check<64>(rng, 8, 3, nvalid);
     fails += check<128>(rng, 2, 1, nvalid);
@@ -134,4 +143,5 @@ int main() {
 """
 
 # engine.cu's fp8_e4m3_value is defined between round_fp8_e4m3 and fp8_store, so it is in FP8_CODE.
-run(STAGING + MAIN.replace("FP8_CODE", fp8).replace("TILE_CODE", tiles), "mma_tile_host_check")
+code = MAIN.replace("FP8_CODE", fp8).replace("PREFILL_FP8", prefill_fp8).replace("TILE_CODE", tiles)
+run(STAGING + code, "mma_tile_host_check")

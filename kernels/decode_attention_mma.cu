@@ -9,11 +9,13 @@
 // Entry points (all extern "C"):
 //   decode_attn_mma_bf16kv(out, q, k_pool, v_pool, block_tables, context_lens, partial_out,
 //                          partial_ml, max_blocks_per_seq, num_heads, num_kv_heads, block_size,
-//                          head_dim, split_len, max_splits, scale, done)   K/V: bf16 bits (u16)
+//                          head_dim, split_len, max_splits, scale, done, k_scale, v_scale)
+//                                                                     K/V: bf16 bits (u16)
 //   decode_attn_mma_f32kv (same arguments)                            K/V elements: f32
-//   decode_attn_mma_fp8kv (same arguments, then k_scale, v_scale)     K/V: FP8 E4M3 codes (u8)
-//                          with one f32 scale per (position, KV head): scale index = element
-//                          offset of the row / head_dim (kernels/engine.cu, fp8_store)
+//   decode_attn_mma_fp8kv (same arguments)                            K/V: FP8 E4M3 codes (u8)
+//   k_scale, v_scale: an FP8 pool's f32 scale per (position, KV head), index = element offset of
+//   the row / head_dim (kernels/engine.cu, fp8_store); unused (pass null) for the other pools, as
+//   in every kernel that reads the pool.
 //   decode_attn_combine(out, partial_out, partial_ml, context_lens, num_heads, head_dim,
 //                       split_len, max_splits)
 //
@@ -643,7 +645,7 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
                                           const int* block_tables, const int* context_lens, float* partial_out,
                                           float* partial_ml, int mbps, int nh, int nkv, int bs, int head_dim,
                                           int split_len, int max_splits, float scale, unsigned* done,
-                                          const float* k_scale = nullptr, const float* v_scale = nullptr) {
+                                          const float* k_scale, const float* v_scale) {
   extern __shared__ __align__(16) unsigned char da_smem[];
   if (!DA_TRIGGER_LATE) da::pdl_trigger();
   da::pdl_wait_only();
@@ -679,25 +681,27 @@ extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
 decode_attn_mma_bf16kv(float* out, const float* q, const unsigned short* k_pool, const unsigned short* v_pool,
                        const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,
                        int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
-                       int split_len, int max_splits, float scale, unsigned* done) {
+                       int split_len, int max_splits, float scale, unsigned* done, const float* k_scale,
+                       const float* v_scale) {
   TD_SCOPE("decode_attn_mma_bf16kv");
   mma_entry<unsigned short>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml,
                             max_blocks_per_seq, num_heads, num_kv_heads, block_size, head_dim, split_len, max_splits,
-                            scale, done);
+                            scale, done, k_scale, v_scale);
 }
 
 extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
 decode_attn_mma_f32kv(float* out, const float* q, const float* k_pool, const float* v_pool,
                       const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,
                       int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int head_dim,
-                      int split_len, int max_splits, float scale, unsigned* done) {
+                      int split_len, int max_splits, float scale, unsigned* done, const float* k_scale,
+                      const float* v_scale) {
   TD_SCOPE("decode_attn_mma_f32kv");
   mma_entry<float>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, max_blocks_per_seq,
-                   num_heads, num_kv_heads, block_size, head_dim, split_len, max_splits, scale, done);
+                   num_heads, num_kv_heads, block_size, head_dim, split_len, max_splits, scale, done, k_scale,
+                   v_scale);
 }
 
-// FP8 pools: the scales of every (position, KV head), as the pool's writer stored them. With
-// head_dim 128 a stage (two bf16-sized matrices and the scales) is 8320 bytes, so each warp has one
+// FP8 pools: the codes are widened with the scales the pool's writer stored. With head_dim 128 a stage (two bf16-sized matrices and the scales) is 8320 bytes, so each warp has one
 // stage and waits on each tile's loads (head_dim 64: three stages).
 extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
 decode_attn_mma_fp8kv(float* out, const float* q, const unsigned char* k_pool, const unsigned char* v_pool,

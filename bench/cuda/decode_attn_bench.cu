@@ -388,8 +388,10 @@ struct DecodeArgs {
 
 static void launch_decode(const KernelSet& ks, DecodeArgs a, cudaStream_t s) {
   unsigned* done = nullptr;  // no in-kernel merge: the combine kernel follows
+  const float* no_scales = nullptr;  // k_scale, v_scale: FP8 pools only
   void* args[] = {&a.out, &a.q, &a.k, &a.v, &a.bt, &a.lens, &a.pout, &a.pml,
-                  &a.mbps, &a.nh, &a.nkv, &a.bs, &a.D, &a.split_len, &a.max_splits, &a.scale, &done};
+                  &a.mbps, &a.nh, &a.nkv, &a.bs, &a.D, &a.split_len, &a.max_splits, &a.scale, &done,
+                  &no_scales, &no_scales};
   launch(a.f32kv ? ks.mma_f32 : ks.mma_bf16, dim3(a.nkv, a.num_seqs, a.max_splits), dim3(DA_THREADS),
          DA_SMEM_BYTES, s, args);
   void* cargs[] = {&a.out, &a.pout, &a.pml, &a.lens, &a.nh, &a.D, &a.split_len, &a.max_splits};

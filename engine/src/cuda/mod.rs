@@ -140,8 +140,8 @@ pub(crate) enum KvElem {
     /// bf16 bits: a `kv_dtype=bf16` pool at half the bytes, reading back the same f32 values.
     Bf16,
     /// FP8 E4M3 codes plus one f32 scale per position and KV head (`kv_dtype=fp8-e4m3`): a
-    /// quarter of the bytes and a scale, reading back the same f32 values. No tensor-core kernel
-    /// reads it: decode rows take the SIMT kernel with the mma kernel's roundings.
+    /// quarter of the bytes and a scale, reading back the same f32 values. The persistent
+    /// decode-step kernel does not read it (that pass keeps the separate kernels).
     Fp8,
 }
 
@@ -487,7 +487,7 @@ struct PoolKernels {
     gemv_qkv_rope: Vec<CudaFunction>,
     attention: CudaFunction,
     attention_scores: CudaFunction,
-    /// The tensor-core decode kernel (`attn_decode=mma-bf16`); FP8 pools pass their scales too.
+    /// The tensor-core decode kernel (`attn_decode=mma-bf16`).
     decode_mma: CudaFunction,
     /// The tiled prefill kernel for this model's head_dim (none for other head dims).
     prefill: Option<CudaFunction>,
@@ -2068,7 +2068,7 @@ impl Inner {
                         256,
                     )?;
                 }
-                let a = Args::new()
+                Args::new()
                     .p(m.o_dec)
                     .p(m.q_dec)
                     .p(kp)
@@ -2085,19 +2085,17 @@ impl Inner {
                     .i(m.split_len)
                     .i(m.max_splits)
                     .f(pass.scale)
-                    .p(m.done);
-                let a = match kv.elem {
-                    KvElem::Fp8 => a.p(ksc).p(vsc),
-                    KvElem::F32 | KvElem::Bf16 => a,
-                };
-                a.launch_pdl(
-                    s,
-                    &pk.decode_mma,
-                    (nkv, nr, m.max_splits),
-                    128,
-                    kernels::DECODE_MMA_SMEM,
-                    early,
-                )?;
+                    .p(m.done)
+                    .p(ksc)
+                    .p(vsc)
+                    .launch_pdl(
+                        s,
+                        &pk.decode_mma,
+                        (nkv, nr, m.max_splits),
+                        128,
+                        kernels::DECODE_MMA_SMEM,
+                        early,
+                    )?;
                 let merged = MergedSplits {
                     att: m.o_dec,
                     partial_out: m.partial_out,

@@ -181,8 +181,8 @@ impl Logits {
 /// sequences with a common prefix can list the same full blocks (the prefix cache). The pool has
 /// one storage type: the CPU backend stores a `kv_dtype` in that type's own size (see
 /// [`crate::kv_host`]), so a bf16 pool holds twice the tokens of an f32 one and an FP8 pool
-/// nearly four times; an f32 pool holds any `kv_dtype` as f32 holding the rounded values (what the
-/// CUDA backend does for FP8 today; it stores bf16 as bf16). The layout is (block, position, KV head, head_dim) either way.
+/// nearly four times, and so does the CUDA backend; an f32 pool holds any `kv_dtype` as f32 holding
+/// the rounded values. The layout is (block, position, KV head, head_dim) either way.
 #[derive(Debug)]
 pub struct KvPool {
     block_size: usize,
@@ -201,7 +201,7 @@ pub(crate) enum KvStorage {
         k: Vec<HostRows>,
         v: Vec<HostRows>,
     },
-    /// The same layout in GPU memory (bf16 bits for a bf16 pool, else f32).
+    /// The same layout in GPU memory, in the pool's element type (`cuda::KvElem`).
     Cuda(crate::cuda::DeviceKv),
 }
 
