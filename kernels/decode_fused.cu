@@ -128,7 +128,8 @@ struct MergedSplits {
 #define GEMV_MERGED_ARGS                                                                         \
     MergedSplits{att, partial_out, partial_ml, context_lens, num_heads, head_dim, split_len,    \
                  max_splits},                                                                   \
-        in, splits, add, w, b, y, out, nullptr, nullptr, nullptr, 0, nullptr, nullptr, nullptr, 0
+        in, splits, add, w, b, y, out, nullptr, nullptr, nullptr, 0, nullptr, nullptr, nullptr, 0, \
+        nullptr, 0
 
 // y (n, out) (+)= merged attention (n, in = num_heads * head_dim) · Wᵀ (+ b), as gemv_bf16_N over
 // the combine kernel's output would compute it, bit for bit. Requires head_dim <= 256 (as the

@@ -21,9 +21,14 @@
 //!   each looping over its rows with the next row's weights in flight (compiled with
 //!   `GEMV_PERSIST=1`), instead of one block per 8 rows (0, the default). A one-wave grid lets the
 //!   next kernel's blocks launch at once (PDL) and prefetch their weights beside it.
-//! - `TAPEDECK_FUSE=rope,merge,head`: which fusions `fuse=on` applies (default `rope,merge`):
+//! - `TAPEDECK_FUSE=rope,merge,head`: which fusions `fuse=on` applies (default `rope,head`):
 //!   RoPE + KV write in the q/k/v GEMV, the split merge in the o GEMV, the final RMSNorm in the
-//!   head's GEMV. All give the same bits; the knob times each one.
+//!   head's GEMV. All give the same bits; the knob times each one (llama-1b batch-1 decode on an
+//!   H100: `rope,head` 735 tok/s, `rope` 706–723, `rope,merge` 679, no fusion 710).
+//! - `TAPEDECK_L2_PREFETCH=MB`: how many MB of a layer's o, gate and up weights (o first, then gate
+//!   and up rows in equal parts) the q/k/v GEMV of a decode step asks the L2 cache to fetch once
+//!   its own rows are done, so that HBM streams them while the latency-bound attention runs;
+//!   0 turns it off.
 //! - `TAPEDECK_KV_STORAGE=f32`: KV pools store f32 whatever `kv_dtype` says (the values rounded
 //!   to it, as before the packed pools), instead of `packed` (the default: bf16 bits for bf16,
 //!   FP8 codes + scales for FP8). The same numbers either way; the knob times the storage alone
@@ -54,8 +59,8 @@ impl Fusions {
     /// What `fuse=on` applies unless `TAPEDECK_FUSE` says otherwise.
     const DEFAULT: Fusions = Fusions {
         rope: true,
-        merge: true,
-        head: false,
+        merge: false,
+        head: true,
     };
 
     fn parse(list: Option<&str>) -> Fusions {
@@ -95,6 +100,8 @@ pub(crate) struct Tuning {
     pub mma_merge_in_kernel: bool,
     /// KV pools store f32 for every `kv_dtype` (`TAPEDECK_KV_STORAGE=f32`).
     pub kv_f32: bool,
+    /// Bytes of each layer's o, gate and up weights its q/k/v GEMV prefetches into L2.
+    pub l2_prefetch: usize,
 }
 
 /// The default split floor. The engine's pool holds f32 (the `_f32kv` kernel, one tile in flight
@@ -102,6 +109,9 @@ pub(crate) struct Tuning {
 /// positions ran 834 / 855 / 847 tok/s with 256 / 128 / 64 (H200). The standalone bf16-KV sweeps
 /// (docs/cuda_decode_attention.md) chose 256.
 const SPLIT_MIN: usize = 128;
+
+/// The default of `TAPEDECK_L2_PREFETCH`, in MB.
+const L2_PREFETCH_MB: usize = 0;
 
 impl Tuning {
     /// The knobs from `var` (the environment, or a test's map).
@@ -151,6 +161,13 @@ impl Tuning {
             |n| n <= 8,
             "0 to 8 blocks per SM",
         );
+        let l2_prefetch = number(
+            &var,
+            "TAPEDECK_L2_PREFETCH",
+            L2_PREFETCH_MB,
+            |n| n <= 1024,
+            "0 to 1024 MB",
+        ) << 20;
         if gemv_grid > 0 {
             nvrtc_defines.push("-DGEMV_PERSIST=1".into());
         }
@@ -182,6 +199,7 @@ impl Tuning {
             gemv_slice,
             mma_merge_in_kernel,
             kv_f32,
+            l2_prefetch,
         }
     }
 }
@@ -236,6 +254,7 @@ mod tests {
                 gemv_slice: 2048,
                 mma_merge_in_kernel: false,
                 kv_f32: false,
+                l2_prefetch: L2_PREFETCH_MB << 20,
             }
         );
         let t = parse(&[
@@ -248,6 +267,7 @@ mod tests {
             ("TAPEDECK_MMA_MERGE", "in-kernel"),
             ("TAPEDECK_GEMV_GRID", "9"),
             ("TAPEDECK_KV_STORAGE", "fp16"),
+            ("TAPEDECK_L2_PREFETCH", "lots"),
         ]);
         assert_eq!(t.nvrtc_defines, ["-DMK_MIN_BLOCKS=1", "-DX=2.5"]);
         assert_eq!(t.split_min, 128, "96 is not a multiple of 64");
@@ -255,6 +275,12 @@ mod tests {
         assert_eq!(t.gemv_grid, 0, "9 blocks per SM is out of range");
         assert!(t.mma_merge_in_kernel);
         assert!(!t.kv_f32, "fp16 is not a storage choice");
+        assert_eq!(t.l2_prefetch, L2_PREFETCH_MB << 20, "not a number of MB");
+        assert_eq!(
+            parse(&[("TAPEDECK_L2_PREFETCH", "24")]).l2_prefetch,
+            24 << 20
+        );
+        assert_eq!(parse(&[("TAPEDECK_L2_PREFETCH", "0")]).l2_prefetch, 0);
         assert!(parse(&[("TAPEDECK_KV_STORAGE", "f32")]).kv_f32);
         assert_eq!(parse(&[("TAPEDECK_MMA_SPLIT_MIN", "64")]).split_min, 64);
         assert_eq!(parse(&[("TAPEDECK_GEMV_SLICE", "512")]).gemv_slice, 512);
