@@ -292,9 +292,10 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
 }
 
 // A span of weights a kernel asks the L2 cache to fetch for the kernels after it: the q/k/v GEMV
-// of a decode step ends with the o projection's and the start of the gate/up projections' weights
-// in flight, so HBM streams them while RoPE, attention and the split merge (latency-bound at batch
-// 1) run, and those GEMVs then read them from L2. Only a hint: no value changes.
+// of a decode step puts the o projection's and the start of the gate/up projections' weights in
+// flight, so HBM streams them while q/k/v, RoPE, attention and the split merge (latency-bound at
+// batch 1: HBM is more than half idle from the q/k/v GEMV to the o GEMV) run, and those GEMVs then
+// read them from L2. Only a hint: no value changes.
 struct L2Window {
     const char* p;
     unsigned long long bytes;
@@ -302,6 +303,9 @@ struct L2Window {
 
 // Bytes one prefetch request covers (16-byte aligned windows, whole chunks only).
 #define L2_CHUNK 4096
+#ifndef L2_PF_LATE
+#define L2_PF_LATE 0
+#endif
 
 __device__ __forceinline__ void l2_prefetch_chunk(const char* p) {
 #if __CUDA_ARCH__ >= 900
@@ -313,8 +317,13 @@ __device__ __forceinline__ void l2_prefetch_chunk(const char* p) {
 
 // This thread's share of the prefetch of windows w[0 .. n) (none for w null), spread over every
 // block of the grid: chunk c of each window goes to thread c / gridDim.x of block c % gridDim.x,
-// so each block issues a few requests whenever it is done with its own work. Call it with every
-// thread of the block after that work.
+// so each block issues a few requests. Call it with every thread of the block.
+//
+// Where: a grid seems not to retire before its bulk prefetches complete (fifth session: staging
+// 16-48 MB from the short RoPE kernel delayed attention by about the HBM time of those bytes). So
+// the GEMVs issue them right after their PDL wait (L2_PF_LATE 0), when the kernel before is done
+// and their own lifetime (~12 µs for q/k/v at batch 1, with HBM half idle) can cover the
+// transfer; L2_PF_LATE 1 issues them after the block's own rows instead, for comparison.
 __device__ __forceinline__ void l2_prefetch_share(const L2Window* w, int n) {
     if (!w) return;
     size_t me = (size_t)threadIdx.x * gridDim.x + blockIdx.x;
@@ -491,8 +500,8 @@ struct GemvInput {
 // is then fetched by several warps at once, all of it in their prefetched chunks, instead of by one
 // warp in several dependent rounds. The slices' sums are added in slice order (deterministic).
 // Only for N <= 2: with 3-4 rows the split measured slower (H200), so those entry points ignore
-// `splits` and compile to the one-warp-per-feature code alone. With pf, the blocks end by asking
-// L2 for the weights in pf[0 .. npf) (l2_prefetch_share).
+// `splits` and compile to the one-warp-per-feature code alone. With pf, the blocks also ask L2 for
+// the weights in pf[0 .. npf) (l2_prefetch_share).
 // grid (ceil((out_0 + out_1 + out_2) * splits / GEMV_WARPS)), block 32 * GEMV_WARPS.
 template <int N, typename Input>
 __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int add,
@@ -532,6 +541,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     pdl_wait();
     int x_f32;
     const void* x = input(N, in, &x_f32);
+    if (!L2_PF_LATE) l2_prefetch_share(pf, npf);
     // A persistent grid (GEMV_PERSIST, grid smaller than the row groups) loops over the groups,
     // block by block, with the next group's weights in flight while this one's are summed.
     for (;;) {
@@ -576,7 +586,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
         break;
 #endif
     }
-    l2_prefetch_share(pf, npf);
+    if (L2_PF_LATE) l2_prefetch_share(pf, npf);
 }
 
 #define GEMV_PARAMS                                                                              \
@@ -851,7 +861,7 @@ __device__ __forceinline__ void qkv_rope_store(const void* x, int in, const bf16
 // whole head, so that mode keeps the separate rope_kv_write. x: bf16 bits, or with norm_w the f32
 // residual stream normalized first (x_f32 must be 0, as for the gate/up kernel). Writes q (rotated), k (rotated, rounded) and v (rounded) like
 // rope_kv_write, and the pool rows at slots[t] (none for slot -1). May be launched with PDL.
-// With pf, its blocks end by asking L2 for the weights in pf[0 .. npf) (l2_prefetch_share).
+// With pf, its blocks also ask L2 for the weights in pf[0 .. npf) (l2_prefetch_share).
 // grid (ceil((heads + 2 kv_heads) * hd / 2 / GEMV_WARPS)), block 32 * GEMV_WARPS.
 template <int N, typename KV>
 __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm_w, float eps,
@@ -880,10 +890,11 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     pdl_launch_dependents();
     pdl_wait();
     if (norm_w) x = gemv_norm_prologue((const float*)x, norm_w, eps, N, in);
+    if (!L2_PF_LATE) l2_prefetch_share(pf, npf);
     if (live) qkv_rope_store<N>(x, in, w0, w1, pre0, pre1, b, r0, r1, which, hh, i, heads,
                                 kv_heads, hd, mode, q, k, v, k_pool, v_pool, pos, inv_freq, slots,
                                 lane);
-    l2_prefetch_share(pf, npf);
+    if (L2_PF_LATE) l2_prefetch_share(pf, npf);
 }
 
 #define QKV_ROPE_PARAMS(KV)                                                                      \

@@ -26,9 +26,10 @@
 //!   head's GEMV. All give the same bits; the knob times each one (llama-1b batch-1 decode on an
 //!   H100: `rope,head` 735 tok/s, `rope` 706–723, `rope,merge` 679, no fusion 710).
 //! - `TAPEDECK_L2_PREFETCH=MB`: how many MB of a layer's o, gate and up weights (o first, then gate
-//!   and up rows in equal parts) the q/k/v GEMV of a decode step asks the L2 cache to fetch once
-//!   its own rows are done, so that HBM streams them while the latency-bound attention runs;
-//!   0 turns it off.
+//!   and up rows in equal parts) the q/k/v GEMV of a decode step asks the L2 cache to fetch as
+//!   soon as the layer before is done, so that HBM streams them while q/k/v and the
+//!   latency-bound attention run; 0 turns it off. (`TAPEDECK_NVRTC_DEFINES=L2_PF_LATE=1` issues
+//!   them after the GEMV's own rows instead.)
 //! - `TAPEDECK_KV_STORAGE=f32`: KV pools store f32 whatever `kv_dtype` says (the values rounded
 //!   to it, as before the packed pools), instead of `packed` (the default: bf16 bits for bf16,
 //!   FP8 codes + scales for FP8). The same numbers either way; the knob times the storage alone
