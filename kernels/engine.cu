@@ -271,6 +271,12 @@ extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
 // the same order, so only the summation order differs from the cuBLAS path.
 #define GEMV_MAX_ROWS 4
 #define GEMV_WARPS 8
+// Blocks per SM the GEMV entry points are compiled to fit (their __launch_bounds__ minimum): 1
+// leaves the register count to the compiler (92 for the batch-1 gate/up kernel, two blocks per
+// SM); 3 caps it at 80. A sweep knob (TAPEDECK_NVRTC_DEFINES=GEMV_MIN_BLOCKS=3).
+#ifndef GEMV_MIN_BLOCKS
+#define GEMV_MIN_BLOCKS 1
+#endif
 // 1: the GEMV and gate/up kernels may run on a grid smaller than their rows (the host's
 // TAPEDECK_GEMV_GRID blocks per SM), each block looping over row groups with the next weights in
 // flight; it leaves SM room for the next kernel's blocks to launch early (PDL) and prefetch theirs.
@@ -289,50 +295,6 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                  : "l"(p));
     return r;
-}
-
-// A span of weights a kernel asks the L2 cache to fetch for the kernels after it: the q/k/v GEMV
-// of a decode step puts the o projection's and the start of the gate/up projections' weights in
-// flight, so HBM streams them while q/k/v, RoPE, attention and the split merge (latency-bound at
-// batch 1: HBM is more than half idle from the q/k/v GEMV to the o GEMV) run, and those GEMVs then
-// read them from L2. Only a hint: no value changes.
-struct L2Window {
-    const char* p;
-    unsigned long long bytes;
-};
-
-// Bytes one prefetch request covers (16-byte aligned windows, whole chunks only).
-#define L2_CHUNK 4096
-#ifndef L2_PF_LATE
-#define L2_PF_LATE 0
-#endif
-
-__device__ __forceinline__ void l2_prefetch_chunk(const char* p) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(L2_CHUNK) : "memory");
-#else
-    for (int o = 0; o < L2_CHUNK; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-#endif
-}
-
-// This thread's share of the prefetch of windows w[0 .. n) (none for w null), spread over every
-// block of the grid: chunk c of each window goes to thread c / gridDim.x of block c % gridDim.x,
-// so each block issues a few requests. Call it with every thread of the block.
-//
-// Where: a grid seems not to retire before its bulk prefetches complete (fifth session: staging
-// 16-48 MB from the short RoPE kernel delayed attention by about the HBM time of those bytes). So
-// the GEMVs issue them right after their PDL wait (L2_PF_LATE 0), when the kernel before is done
-// and their own lifetime (~12 µs for q/k/v at batch 1, with HBM half idle) can cover the
-// transfer; L2_PF_LATE 1 issues them after the block's own rows instead, for comparison.
-__device__ __forceinline__ void l2_prefetch_share(const L2Window* w, int n) {
-    if (!w) return;
-    size_t me = (size_t)threadIdx.x * gridDim.x + blockIdx.x;
-    size_t all = (size_t)gridDim.x * blockDim.x;
-    for (int i = 0; i < n; i++) {
-        const char* p = w[i].p;
-        size_t chunks = w[i].bytes / L2_CHUNK;
-        for (size_t c = me; c < chunks; c += all) l2_prefetch_chunk(p + c * L2_CHUNK);
-    }
 }
 
 // Eight consecutive inputs at element `off` of x as bf16 values: bf16 bits, or f32 rounded to
@@ -500,16 +462,14 @@ struct GemvInput {
 // is then fetched by several warps at once, all of it in their prefetched chunks, instead of by one
 // warp in several dependent rounds. The slices' sums are added in slice order (deterministic).
 // Only for N <= 2: with 3-4 rows the split measured slower (H200), so those entry points ignore
-// `splits` and compile to the one-warp-per-feature code alone. With pf, the blocks also ask L2 for
-// the weights in pf[0 .. npf) (l2_prefetch_share).
+// `splits` and compile to the one-warp-per-feature code alone.
 // grid (ceil((out_0 + out_1 + out_2) * splits / GEMV_WARPS)), block 32 * GEMV_WARPS.
 template <int N, typename Input>
 __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int add,
                                             const bf16_t* w0, const float* b0, float* y0,
                                             int out0, const bf16_t* w1, const float* b1,
                                             float* y1, int out1, const bf16_t* w2,
-                                            const float* b2, float* y2, int out2,
-                                            const L2Window* pf, int npf) {
+                                            const float* b2, float* y2, int out2) {
     __shared__ float slice_sums[GEMV_WARPS][GEMV_MAX_ROWS];
     if (N > 2) splits = 1;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -541,7 +501,6 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     pdl_wait();
     int x_f32;
     const void* x = input(N, in, &x_f32);
-    if (!L2_PF_LATE) l2_prefetch_share(pf, npf);
     // A persistent grid (GEMV_PERSIST, grid smaller than the row groups) loops over the groups,
     // block by block, with the next group's weights in flight while this one's are summed.
     for (;;) {
@@ -586,7 +545,6 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
         break;
 #endif
     }
-    if (L2_PF_LATE) l2_prefetch_share(pf, npf);
 }
 
 #define GEMV_PARAMS                                                                              \
@@ -594,23 +552,23 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
         int add,                                                                                \
         const bf16_t *w0, const float *b0, float *y0, int out0, const bf16_t *w1,               \
         const float *b1, float *y1, int out1, const bf16_t *w2, const float *b2, float *y2,     \
-        int out2, const L2Window *pf, int npf
+        int out2
 #define GEMV_ARGS                                                                                \
     GemvInput{x, x_f32, norm_w, eps}, in, splits, add, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, \
-        y2, out2, pf, npf
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_1(GEMV_PARAMS) {
+        y2, out2
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_1(GEMV_PARAMS) {
     TD_SCOPE("gemv_bf16_1");
     gemv_kernel<1>(GEMV_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_2(GEMV_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_2(GEMV_PARAMS) {
     TD_SCOPE("gemv_bf16_2");
     gemv_kernel<2>(GEMV_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_3(GEMV_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_3(GEMV_PARAMS) {
     TD_SCOPE("gemv_bf16_3");
     gemv_kernel<3>(GEMV_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_4(GEMV_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_4(GEMV_PARAMS) {
     TD_SCOPE("gemv_bf16_4");
     gemv_kernel<4>(GEMV_ARGS);
 }
@@ -672,19 +630,19 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     const void *x, int x_f32, const float *norm_w, float eps, int n, int in, const bf16_t *wg,  \
         const float *bg, const bf16_t *wu, const float *bu, bf16_t *out, int inter
 #define SWIGLU_ARGS x, norm_w, eps, in, wg, bg, wu, bu, out, inter
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_1(SWIGLU_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_1(SWIGLU_PARAMS) {
     TD_SCOPE("gemv_bf16_swiglu_1");
     swiglu_kernel<1>(SWIGLU_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_2(SWIGLU_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_2(SWIGLU_PARAMS) {
     TD_SCOPE("gemv_bf16_swiglu_2");
     swiglu_kernel<2>(SWIGLU_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_3(SWIGLU_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_3(SWIGLU_PARAMS) {
     TD_SCOPE("gemv_bf16_swiglu_3");
     swiglu_kernel<3>(SWIGLU_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_swiglu_4(SWIGLU_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_4(SWIGLU_PARAMS) {
     TD_SCOPE("gemv_bf16_swiglu_4");
     swiglu_kernel<4>(SWIGLU_ARGS);
 }
@@ -815,17 +773,43 @@ extern "C" __global__ void rope_kv_write_fp8kv(ROPE_KV_PARAMS(fp8_t)) {
 #undef ROPE_KV_PARAMS
 #undef ROPE_KV_ARGS
 
-// The body of the fused q/k/v kernel for one live warp: its rotary pair of rows' dot products
-// (prefetched chunks in pre0, pre1), then gemv_store's epilogue and rope_kv_head's.
+// The q/k/v projections with RoPE and the KV write in their epilogue (`fuse=on`): what gemv_bf16_N
+// over (q, k, v) followed by rope_kv_write computes, the same arithmetic in the same order, so the
+// same bits, in one launch instead of two. A warp owns the rotary pair of rows (i, i + hd/2) of one
+// head of q, k or v (v's pairs are not rotated, only stored), so the rotation has both of its
+// inputs in registers. KV storage modes 0 (f32) and 1 (bf16) only: FP8's per-head scale needs the
+// whole head, so that mode keeps the separate rope_kv_write. x: bf16 bits, or with norm_w the f32
+// residual stream normalized first (x_f32 must be 0, as for the gate/up kernel). Writes q (rotated), k (rotated, rounded) and v (rounded) like
+// rope_kv_write, and the pool rows at slots[t] (none for slot -1). May be launched with PDL.
+// grid (ceil((heads + 2 kv_heads) * hd / 2 / GEMV_WARPS)), block 32 * GEMV_WARPS.
 template <int N, typename KV>
-__device__ __forceinline__ void qkv_rope_store(const void* x, int in, const bf16_t* w0,
-                                               const bf16_t* w1, const uint4 pre0[GEMV_PRE],
-                                               const uint4 pre1[GEMV_PRE], const float* b, int r0,
-                                               int r1, int which, int hh, int i, int heads,
-                                               int kv_heads, int hd, int mode, float* q, float* k,
-                                               float* v, KV* k_pool, KV* v_pool, const int* pos,
-                                               const float* inv_freq, const int* slots, int lane) {
-    int half = hd / 2;
+__device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm_w, float eps,
+                                                int in, const bf16_t* wq, const float* bq,
+                                                const bf16_t* wk, const float* bk,
+                                                const bf16_t* wv, const float* bv, float* q,
+                                                float* k, float* v, KV* k_pool, KV* v_pool,
+                                                const int* pos, const float* inv_freq,
+                                                const int* slots, int heads, int kv_heads, int hd,
+                                                int mode) {
+    int lane = threadIdx.x & 31, half = hd / 2;
+    int pair = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    int h = pair / half, i = pair % half;
+    bool live = h < heads + 2 * kv_heads;
+    // which: 0 q, 1 k, 2 v; hh: the head within its matrix.
+    int which = h < heads ? 0 : h < heads + kv_heads ? 1 : 2;
+    int hh = which == 0 ? h : which == 1 ? h - heads : h - heads - kv_heads;
+    const bf16_t* w = which == 0 ? wq : which == 1 ? wk : wv;
+    const float* b = which == 0 ? bq : which == 1 ? bk : bv;
+    int r0 = hh * hd + i, r1 = r0 + half;
+    const bf16_t* w0 = w + (live ? (size_t)r0 * in : 0);
+    const bf16_t* w1 = w + (live ? (size_t)r1 * in : 0);
+    uint4 pre0[GEMV_PRE], pre1[GEMV_PRE];
+    gemv_prefetch(w0, in, lane, live, pre0);
+    gemv_prefetch(w1, in, lane, live, pre1);
+    pdl_launch_dependents();
+    pdl_wait();
+    if (norm_w) x = gemv_norm_prologue((const float*)x, norm_w, eps, N, in);
+    if (!live) return;
     float s0[N], s1[N];
     gemv_row<N, false>(w0, pre0, x, in, 0, in, lane, s0);
     gemv_row<N, false>(w1, pre1, x, in, 0, in, lane, s1);
@@ -853,90 +837,46 @@ __device__ __forceinline__ void qkv_rope_store(const void* x, int in, const bf16
     }
 }
 
-// The q/k/v projections with RoPE and the KV write in their epilogue (`fuse=on`): what gemv_bf16_N
-// over (q, k, v) followed by rope_kv_write computes, the same arithmetic in the same order, so the
-// same bits, in one launch instead of two. A warp owns the rotary pair of rows (i, i + hd/2) of one
-// head of q, k or v (v's pairs are not rotated, only stored), so the rotation has both of its
-// inputs in registers. KV storage modes 0 (f32) and 1 (bf16) only: FP8's per-head scale needs the
-// whole head, so that mode keeps the separate rope_kv_write. x: bf16 bits, or with norm_w the f32
-// residual stream normalized first (x_f32 must be 0, as for the gate/up kernel). Writes q (rotated), k (rotated, rounded) and v (rounded) like
-// rope_kv_write, and the pool rows at slots[t] (none for slot -1). May be launched with PDL.
-// With pf, its blocks also ask L2 for the weights in pf[0 .. npf) (l2_prefetch_share).
-// grid (ceil((heads + 2 kv_heads) * hd / 2 / GEMV_WARPS)), block 32 * GEMV_WARPS.
-template <int N, typename KV>
-__device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm_w, float eps,
-                                                int in, const bf16_t* wq, const float* bq,
-                                                const bf16_t* wk, const float* bk,
-                                                const bf16_t* wv, const float* bv, float* q,
-                                                float* k, float* v, KV* k_pool, KV* v_pool,
-                                                const int* pos, const float* inv_freq,
-                                                const int* slots, int heads, int kv_heads, int hd,
-                                                int mode, const L2Window* pf, int npf) {
-    int lane = threadIdx.x & 31, half = hd / 2;
-    int pair = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    int h = pair / half, i = pair % half;
-    bool live = h < heads + 2 * kv_heads;
-    // which: 0 q, 1 k, 2 v; hh: the head within its matrix.
-    int which = h < heads ? 0 : h < heads + kv_heads ? 1 : 2;
-    int hh = which == 0 ? h : which == 1 ? h - heads : h - heads - kv_heads;
-    const bf16_t* w = which == 0 ? wq : which == 1 ? wk : wv;
-    const float* b = which == 0 ? bq : which == 1 ? bk : bv;
-    int r0 = hh * hd + i, r1 = r0 + half;
-    const bf16_t* w0 = w + (live ? (size_t)r0 * in : 0);
-    const bf16_t* w1 = w + (live ? (size_t)r1 * in : 0);
-    uint4 pre0[GEMV_PRE], pre1[GEMV_PRE];
-    gemv_prefetch(w0, in, lane, live, pre0);
-    gemv_prefetch(w1, in, lane, live, pre1);
-    pdl_launch_dependents();
-    pdl_wait();
-    if (norm_w) x = gemv_norm_prologue((const float*)x, norm_w, eps, N, in);
-    if (!L2_PF_LATE) l2_prefetch_share(pf, npf);
-    if (live) qkv_rope_store<N>(x, in, w0, w1, pre0, pre1, b, r0, r1, which, hh, i, heads,
-                                kv_heads, hd, mode, q, k, v, k_pool, v_pool, pos, inv_freq, slots,
-                                lane);
-    if (L2_PF_LATE) l2_prefetch_share(pf, npf);
-}
-
 #define QKV_ROPE_PARAMS(KV)                                                                      \
     const void *x, int x_f32, const float *norm_w, float eps, int n, int in, const bf16_t *wq, \
         const float *bq, const bf16_t *wk, const float *bk, const bf16_t *wv, const float *bv,   \
         float *q, float *k, float *v, KV *k_pool, KV *v_pool, float *k_scale, float *v_scale,   \
         const int *pos, const float *inv_freq, const int *slots, int heads, int kv_heads, int hd, \
-        int mode, const L2Window *pf, int npf
+        int mode
 #define QKV_ROPE_ARGS                                                                            \
     x, norm_w, eps, in, wq, bq, wk, bk, wv, bv, q, k, v, k_pool, v_pool, pos, inv_freq, slots,  \
-        heads, kv_heads, hd, mode, pf, npf
+        heads, kv_heads, hd, mode
 // The entry points (written out, not generated, so a reader and the engine's entry-point test
 // can find them).
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_1(QKV_ROPE_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_qkv_rope_1(QKV_ROPE_PARAMS(float)) {
     TD_SCOPE("gemv_bf16_qkv_rope_1");
     qkv_rope_kernel<1>(QKV_ROPE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_2(QKV_ROPE_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_qkv_rope_2(QKV_ROPE_PARAMS(float)) {
     TD_SCOPE("gemv_bf16_qkv_rope_2");
     qkv_rope_kernel<2>(QKV_ROPE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_3(QKV_ROPE_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_qkv_rope_3(QKV_ROPE_PARAMS(float)) {
     TD_SCOPE("gemv_bf16_qkv_rope_3");
     qkv_rope_kernel<3>(QKV_ROPE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_4(QKV_ROPE_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_qkv_rope_4(QKV_ROPE_PARAMS(float)) {
     TD_SCOPE("gemv_bf16_qkv_rope_4");
     qkv_rope_kernel<4>(QKV_ROPE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_bf16kv_1(QKV_ROPE_PARAMS(bf16_t)) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_qkv_rope_bf16kv_1(QKV_ROPE_PARAMS(bf16_t)) {
     TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_1");
     qkv_rope_kernel<1>(QKV_ROPE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_bf16kv_2(QKV_ROPE_PARAMS(bf16_t)) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_qkv_rope_bf16kv_2(QKV_ROPE_PARAMS(bf16_t)) {
     TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_2");
     qkv_rope_kernel<2>(QKV_ROPE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_bf16kv_3(QKV_ROPE_PARAMS(bf16_t)) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_qkv_rope_bf16kv_3(QKV_ROPE_PARAMS(bf16_t)) {
     TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_3");
     qkv_rope_kernel<3>(QKV_ROPE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_qkv_rope_bf16kv_4(QKV_ROPE_PARAMS(bf16_t)) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_qkv_rope_bf16kv_4(QKV_ROPE_PARAMS(bf16_t)) {
     TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_4");
     qkv_rope_kernel<4>(QKV_ROPE_ARGS);
 }

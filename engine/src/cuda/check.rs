@@ -174,7 +174,7 @@ pub fn gemv(ordinal: usize, case: &GemvCase<'_>, reps: usize) -> Result<KernelRu
         None if x_f32 => GemvIn::F32(xd.ptr),
         None => GemvIn::Bf16(xd.ptr),
     };
-    let ours = |i: usize| gpu.gemv(&[(&ls[i % ls.len()], y.ptr)], input, n, add, false, None);
+    let ours = |i: usize| gpu.gemv(&[(&ls[i % ls.len()], y.ptr)], input, n, add, false);
     let theirs = |i: usize| -> Result<()> {
         let l = &ls[i % ls.len()];
         let xin = match (&norm_w, x_f32) {

@@ -477,32 +477,6 @@ struct DevLayer {
     gate: DevLinear,
     up: DevLinear,
     down: DevLinear,
-    /// The L2 prefetch windows its q/k/v GEMV issues in a decode step (`TAPEDECK_L2_PREFETCH`):
-    /// (pointer, bytes) pairs, as the kernels' `L2Window`s; empty when off.
-    l2_next: DevBuf,
-}
-
-/// Bytes one L2 prefetch request covers (the kernels' `L2_CHUNK`); windows are whole chunks.
-const L2_CHUNK: usize = 4096;
-
-/// The L2 prefetch windows (device pointer, bytes) for a layer's weights after its q/k/v
-/// projection, within `budget` bytes: the o projection's first (it is read first), then the gate
-/// and up projections' leading rows in equal parts (the gate/up kernel reads both rows of a
-/// feature together, from the first feature on). Each is a whole number of chunks; empty ones
-/// are left out.
-fn l2_windows(o: (u64, usize), gate: (u64, usize), up: (u64, usize), budget: usize) -> Vec<u64> {
-    let chunks = |bytes: usize| bytes / L2_CHUNK * L2_CHUNK;
-    let o_bytes = chunks(o.1.min(budget));
-    let rest = (budget - o_bytes) / 2;
-    [
-        (o.0, o_bytes),
-        (gate.0, chunks(gate.1.min(rest))),
-        (up.0, chunks(up.1.min(rest))),
-    ]
-    .into_iter()
-    .filter(|&(_, b)| b > 0)
-    .flat_map(|(p, b)| [p, b as u64])
-    .collect()
 }
 
 /// The kernels that read or write the KV pool, for one element type ([`KvElem`]).
@@ -951,15 +925,6 @@ fn gemv_splits(inp: usize, n: usize, slice: usize) -> usize {
     }
     s
 }
-/// The GEMV kernels' last two arguments: a table of L2 prefetch windows ([`l2_windows`]) and how
-/// many it holds (null and 0 for none).
-fn windows(a: Args, table: Option<&DevBuf>) -> Args {
-    match table {
-        Some(t) if t.bytes > 0 => a.p(t.ptr).i(t.bytes / 16),
-        _ => a.p(0).i(0),
-    }
-}
-
 /// Most rows a decode graph takes; larger decode batches run eagerly.
 const GRAPH_MAX_ROWS: usize = 512;
 /// Graphs kept before the cache is emptied (each holds a few hundred nodes).
@@ -1001,6 +966,13 @@ pub fn fused_layers() -> (u64, u64) {
         FUSED_ROPE.load(Ordering::Relaxed),
         FUSED_MERGE.load(Ordering::Relaxed),
     )
+}
+
+/// Which fusions `fuse=on` applies in this process (RoPE, split merge, head norm), as
+/// `TAPEDECK_FUSE` or its default says: tests check what they expect fused against it.
+pub fn fusions_in_effect() -> (bool, bool, bool) {
+    let f = tune::get().fuse;
+    (f.rope, f.merge, f.head)
 }
 
 /// A hash of the KV pool's buffer addresses: what graphs and the decode-step kernel's layer
@@ -1175,24 +1147,16 @@ impl CudaBackend {
         }
         let mut layers = Vec::with_capacity(model.layers.len());
         for l in &model.layers {
-            let (o, gate, up) = (
-                DevLinear::upload(&ctx, &l.o)?,
-                DevLinear::upload(&ctx, &l.gate)?,
-                DevLinear::upload(&ctx, &l.up)?,
-            );
-            let span = |l: &DevLinear| (l.w_bf16.ptr, l.w_bf16.bytes);
-            let windows = l2_windows(span(&o), span(&gate), span(&up), tune::get().l2_prefetch);
             layers.push(DevLayer {
                 attn_norm: DevBuf::from_slice(&ctx, &l.attn_norm)?,
                 q: DevLinear::upload(&ctx, &l.q)?,
                 k: DevLinear::upload(&ctx, &l.k)?,
                 v: DevLinear::upload(&ctx, &l.v)?,
-                o,
+                o: DevLinear::upload(&ctx, &l.o)?,
                 mlp_norm: DevBuf::from_slice(&ctx, &l.mlp_norm)?,
-                gate,
-                up,
+                gate: DevLinear::upload(&ctx, &l.gate)?,
+                up: DevLinear::upload(&ctx, &l.up)?,
                 down: DevLinear::upload(&ctx, &l.down)?,
-                l2_next: DevBuf::from_slice(&ctx, &windows)?,
             });
         }
         let inner = Inner {
@@ -1309,7 +1273,6 @@ impl Gpu {
         n: usize,
         add: bool,
         pdl: bool,
-        prefetch: Option<&DevBuf>,
     ) -> Result<()> {
         let inp = mats.first().map_or(0, |(l, _)| l.inp);
         let splits = gemv_splits(inp, n, tune::get().gemv_slice);
@@ -1335,10 +1298,6 @@ impl Gpu {
                 }
                 None => a.p(0).p(0).p(0).i(0),
             };
-        }
-        // The merging entry point takes no prefetch windows.
-        if !matches!(x, GemvIn::Merged(_)) {
-            a = windows(a, prefetch);
         }
         a.launch_pdl(
             &self.stream,
@@ -1416,7 +1375,7 @@ impl Gpu {
             a = a.p(l.w_bf16.ptr).p(bias(l));
         }
         let pairs = (rope.heads + 2 * rope.kv_heads) * rope.head_dim / 2;
-        windows(rope.append(a), Some(&layer.l2_next)).launch_pdl(
+        rope.append(a).launch_pdl(
             &self.stream,
             gemv_for(&self.k.pool(rope.elem).gemv_qkv_rope, n)?,
             (pairs.div_ceil(GEMV_WARPS), 1, 1),
@@ -2036,14 +1995,8 @@ impl Inner {
                     .qkv_rope(layer, gemv_normed(layer.attn_norm.ptr)?, n, &rope, pdl)?;
                 FUSED_ROPE.fetch_add(1, Ordering::Relaxed);
             } else if gemv {
-                self.gpu.gemv(
-                    &qkv,
-                    gemv_normed(layer.attn_norm.ptr)?,
-                    n,
-                    false,
-                    pdl,
-                    Some(&layer.l2_next),
-                )?;
+                self.gpu
+                    .gemv(&qkv, gemv_normed(layer.attn_norm.ptr)?, n, false, pdl)?;
             } else {
                 let xin = norm(x, layer.attn_norm.ptr, n)?;
                 for (l, y) in qkv {
@@ -2197,11 +2150,11 @@ impl Inner {
             }
             if gemv {
                 // x += o(att), then x += down(silu(gate(xn)) · up(xn)): three launches.
-                self.gpu.gemv(&[(&layer.o, x)], o_in, n, true, pdl, None)?;
+                self.gpu.gemv(&[(&layer.o, x)], o_in, n, true, pdl)?;
                 let xin = gemv_normed(layer.mlp_norm.ptr)?;
                 self.gpu.swiglu(&layer.gate, &layer.up, xin, n, act, pdl)?;
                 self.gpu
-                    .gemv(&[(&layer.down, x)], GemvIn::Bf16(act), n, true, pdl, None)?;
+                    .gemv(&[(&layer.down, x)], GemvIn::Bf16(act), n, true, pdl)?;
                 continue;
             }
             let ain = self.gpu.gemm_input(att, n * q_dim, xb, pm)?;
@@ -2262,7 +2215,7 @@ impl Inner {
                 GemvIn::Bf16(norm_pdl(rows_in, self.norm.ptr, r, early)?)
             };
             self.gpu
-                .gemv(&[(&self.head, pass.logits)], hin, r, false, pdl, None)?;
+                .gemv(&[(&self.head, pass.logits)], hin, r, false, pdl)?;
         } else {
             let hin = norm_pdl(rows_in, self.norm.ptr, r, early)?;
             self.gpu.linear(&self.head, hin, r, pass.logits, pm)?;
@@ -2354,38 +2307,6 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn l2_windows_take_o_first_then_gate_and_up_evenly_in_whole_chunks() {
-        let (o, g, u) = ((1 << 40, 8 << 20), (2 << 40, 32 << 20), (3 << 40, 32 << 20));
-        assert!(l2_windows(o, g, u, 0).is_empty(), "0 turns it off");
-        // Less than o: part of o only.
-        assert_eq!(l2_windows(o, g, u, 5 << 20), [1 << 40, 5 << 20]);
-        // o whole, the remaining 16 MB split between gate and up.
-        assert_eq!(
-            l2_windows(o, g, u, 24 << 20),
-            [1 << 40, 8 << 20, 2 << 40, 8 << 20, 3 << 40, 8 << 20]
-        );
-        // More than everything: each matrix whole.
-        assert_eq!(
-            l2_windows(o, g, u, 1 << 30),
-            [1 << 40, 8 << 20, 2 << 40, 32 << 20, 3 << 40, 32 << 20]
-        );
-        // Odd budgets round down to whole 4 KB chunks.
-        let w = l2_windows(o, g, u, (8 << 20) + 3 * L2_CHUNK + 7);
-        assert_eq!(
-            w,
-            [
-                1 << 40,
-                8 << 20,
-                2 << 40,
-                L2_CHUNK as u64,
-                3 << 40,
-                L2_CHUNK as u64
-            ]
-        );
-        assert!(w.chunks(2).all(|p| p[1] % L2_CHUNK as u64 == 0));
-    }
 
     #[test]
     fn gemv_slices_are_whole_chunks_and_fit_the_prefetch() {

@@ -16,7 +16,8 @@
 //! - `TAPEDECK_MMA_MERGE=in-kernel`: merge the mma decode kernel's splits in the mma kernel's last
 //!   block per KV head instead of in the separate combine kernel (`kernel`, the default). The
 //!   same bits either way; in-kernel measured slower (llama-1b batch-1 decode on the H200: 724
-//!   against 852 tok/s, cause not established).
+//!   against 852 tok/s; again in the twelfth session with the kernels releasing their PDL
+//!   dependents after their KV reads: 738–741 against 842–858, so that was not the cause).
 //! - `TAPEDECK_GEMV_GRID=K`: run the GEMV and gate/up kernels on at most K blocks per SM (1-8),
 //!   each looping over its rows with the next row's weights in flight (compiled with
 //!   `GEMV_PERSIST=1`), instead of one block per 8 rows (0, the default). A one-wave grid lets the
@@ -24,12 +25,8 @@
 //! - `TAPEDECK_FUSE=rope,merge,head`: which fusions `fuse=on` applies (default `rope,head`):
 //!   RoPE + KV write in the q/k/v GEMV, the split merge in the o GEMV, the final RMSNorm in the
 //!   head's GEMV. All give the same bits; the knob times each one (llama-1b batch-1 decode on an
-//!   H100: `rope,head` 735 tok/s, `rope` 706–723, `rope,merge` 679, no fusion 710).
-//! - `TAPEDECK_L2_PREFETCH=MB`: how many MB of a layer's o, gate and up weights (o first, then gate
-//!   and up rows in equal parts) the q/k/v GEMV of a decode step asks the L2 cache to fetch as
-//!   soon as the layer before is done, so that HBM streams them while q/k/v and the
-//!   latency-bound attention run; 0 turns it off. (`TAPEDECK_NVRTC_DEFINES=L2_PF_LATE=1` issues
-//!   them after the GEMV's own rows instead.)
+//!   H100: `rope,head` 735 tok/s, `rope` 706–723, `rope,merge` 679, no fusion 710; on an H200:
+//!   `rope,head` 842–858, no fusion 834–846).
 //! - `TAPEDECK_KV_STORAGE=f32`: KV pools store f32 whatever `kv_dtype` says (the values rounded
 //!   to it, as before the packed pools), instead of `packed` (the default: bf16 bits for bf16,
 //!   FP8 codes + scales for FP8). The same numbers either way; the knob times the storage alone
@@ -101,8 +98,6 @@ pub(crate) struct Tuning {
     pub mma_merge_in_kernel: bool,
     /// KV pools store f32 for every `kv_dtype` (`TAPEDECK_KV_STORAGE=f32`).
     pub kv_f32: bool,
-    /// Bytes of each layer's o, gate and up weights its q/k/v GEMV prefetches into L2.
-    pub l2_prefetch: usize,
 }
 
 /// The default split floor. The engine's pool holds f32 (the `_f32kv` kernel, one tile in flight
@@ -110,9 +105,6 @@ pub(crate) struct Tuning {
 /// positions ran 834 / 855 / 847 tok/s with 256 / 128 / 64 (H200). The standalone bf16-KV sweeps
 /// (docs/cuda_decode_attention.md) chose 256.
 const SPLIT_MIN: usize = 128;
-
-/// The default of `TAPEDECK_L2_PREFETCH`, in MB.
-const L2_PREFETCH_MB: usize = 0;
 
 impl Tuning {
     /// The knobs from `var` (the environment, or a test's map).
@@ -162,13 +154,6 @@ impl Tuning {
             |n| n <= 8,
             "0 to 8 blocks per SM",
         );
-        let l2_prefetch = number(
-            &var,
-            "TAPEDECK_L2_PREFETCH",
-            L2_PREFETCH_MB,
-            |n| n <= 1024,
-            "0 to 1024 MB",
-        ) << 20;
         if gemv_grid > 0 {
             nvrtc_defines.push("-DGEMV_PERSIST=1".into());
         }
@@ -200,7 +185,6 @@ impl Tuning {
             gemv_slice,
             mma_merge_in_kernel,
             kv_f32,
-            l2_prefetch,
         }
     }
 }
@@ -255,7 +239,6 @@ mod tests {
                 gemv_slice: 2048,
                 mma_merge_in_kernel: false,
                 kv_f32: false,
-                l2_prefetch: L2_PREFETCH_MB << 20,
             }
         );
         let t = parse(&[
@@ -268,7 +251,6 @@ mod tests {
             ("TAPEDECK_MMA_MERGE", "in-kernel"),
             ("TAPEDECK_GEMV_GRID", "9"),
             ("TAPEDECK_KV_STORAGE", "fp16"),
-            ("TAPEDECK_L2_PREFETCH", "lots"),
         ]);
         assert_eq!(t.nvrtc_defines, ["-DMK_MIN_BLOCKS=1", "-DX=2.5"]);
         assert_eq!(t.split_min, 128, "96 is not a multiple of 64");
@@ -276,12 +258,6 @@ mod tests {
         assert_eq!(t.gemv_grid, 0, "9 blocks per SM is out of range");
         assert!(t.mma_merge_in_kernel);
         assert!(!t.kv_f32, "fp16 is not a storage choice");
-        assert_eq!(t.l2_prefetch, L2_PREFETCH_MB << 20, "not a number of MB");
-        assert_eq!(
-            parse(&[("TAPEDECK_L2_PREFETCH", "24")]).l2_prefetch,
-            24 << 20
-        );
-        assert_eq!(parse(&[("TAPEDECK_L2_PREFETCH", "0")]).l2_prefetch, 0);
         assert!(parse(&[("TAPEDECK_KV_STORAGE", "f32")]).kv_f32);
         assert_eq!(parse(&[("TAPEDECK_MMA_SPLIT_MIN", "64")]).split_min, 64);
         assert_eq!(parse(&[("TAPEDECK_GEMV_SLICE", "512")]).gemv_slice, 512);
