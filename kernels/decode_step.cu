@@ -200,7 +200,7 @@ __device__ __forceinline__ void mk_gemv(const MkMats& m, const void* x, int x_f3
     if (wait) grid_sync(bar);
     if (vb >= nvb) return;  // uniform over the block
     if (norm_w) {
-        x = gemv_norm_prologue((const float*)x, norm_w, eps, 1, in);
+        x = gemv_norm_prologue<1>((const float*)x, norm_w, eps, in);
         x_f32 = 0;
     }
     for (bool done = false; !done;) {
@@ -254,7 +254,7 @@ __device__ __forceinline__ void mk_swiglu(const MkLayer& L, const float* x, floa
     }
     grid_sync(bar);
     if (vb >= nvb) return;
-    const bf16_t* xs = gemv_norm_prologue(x, L.mlp_norm, eps, 1, in);
+    const bf16_t* xs = gemv_norm_prologue<1>(x, L.mlp_norm, eps, in);
     for (bool done = false; !done;) {
         // A fixed trip count with no exit inside, so it unrolls and the ring stays in registers.
 #pragma unroll
