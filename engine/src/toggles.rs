@@ -163,11 +163,12 @@ pub struct Toggles {
     /// silently, hence a toggle.
     pub megakernel: bool,
     /// Decode-step kernel fusions on the GEMV path (GPU, `small_gemm=gemv`): the q/k/v GEMV
-    /// applies RoPE and writes the KV cache in its epilogue (f32 or bf16 KV), and the o GEMV
-    /// merges the mma decode kernel's splits as it reads them, two launches fewer per layer (and
-    /// the head's GEMV does the final RMSNorm, one fewer per step). Same
-    /// arithmetic as the separate kernels, so the same bits; a fusion bug (a stale KV row, a
-    /// merge read before the splits land) corrupts silently, hence a toggle.
+    /// applies RoPE and writes the KV cache in its epilogue (f32 or bf16 KV), one launch fewer per
+    /// layer, and the head's GEMV does the final RMSNorm, one fewer per step; `TAPEDECK_FUSE`
+    /// can add the o GEMV merging the mma decode kernel's splits as it reads them (measured
+    /// slower, so not by default). Same arithmetic as the separate kernels, so the same bits; a
+    /// fusion bug (a stale KV row, a merge read before the splits land) corrupts silently, hence
+    /// a toggle.
     pub fuse: bool,
     /// Prompt-encoding fault.
     pub fault_encoding: EncodingFault,
@@ -288,7 +289,7 @@ pub const REGISTRY: &[ToggleSpec] = &[
         values: "off | on",
         default: "off",
         description:
-            "decode GEMVs absorb RoPE + KV write (q/k/v) and the split merge (o): 2 launches fewer per layer (GPU)",
+            "decode GEMVs absorb RoPE + KV write (q/k/v) and the final RMSNorm (head): fewer launches (GPU)",
     },
     ToggleSpec {
         name: "prefill_chunk",
