@@ -82,6 +82,22 @@ static float shfl_from(float v, int src_lane) {
 }
 static float __shfl_xor_sync(unsigned, float v, int m) { return shfl_from(v, (threadIdx.x & 31) ^ m); }
 static float __shfl_sync(unsigned, float v, int l) { return shfl_from(v, l); }
+// 8-byte shuffles (the token pick's packed candidates and f64 sums) through their own buffer.
+static std::vector<unsigned long long> g_xchg64;
+template <typename T>
+static T shfl_from64(T v, int src_lane) {
+  static_assert(sizeof(T) == 8, "8-byte values only");
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  memcpy(&g_xchg64[w * 32 + lane], &v, 8);
+  __syncwarp();
+  T r;
+  memcpy(&r, &g_xchg64[w * 32 + (src_lane & 31)], 8);
+  __syncwarp();
+  return r;
+}
+static unsigned long long __shfl_xor_sync(unsigned, unsigned long long v, int m) { return shfl_from64(v, (threadIdx.x & 31) ^ m); }
+static double __shfl_xor_sync(unsigned, double v, int m) { return shfl_from64(v, (threadIdx.x & 31) ^ m); }
+static long long __double_as_longlong(double d) { long long r; memcpy(&r, &d, 8); return r; }
 static float __shfl_down_sync(unsigned, float v, int d) {
   const int l = (threadIdx.x & 31) + d;
   const float r = shfl_from(v, l < 32 ? l : (threadIdx.x & 31));
@@ -93,6 +109,7 @@ static void launch(dim3 grid, unsigned threads, const std::function<void()>& f) 
   blockDim = dim3{threads, 1, 1};
   const unsigned warps = (threads + 31) / 32;
   g_xchg.assign(warps * 32, 0.f);
+  g_xchg64.assign(warps * 32, 0ull);
   for (unsigned z = 0; z < std::max(grid.z, 1u); ++z)
     for (unsigned y = 0; y < std::max(grid.y, 1u); ++y)
       for (unsigned x = 0; x < grid.x; ++x) {

@@ -1375,9 +1375,15 @@ extern "C" __global__ void pick_finish(const float* logits, int vocab, const int
     pdl_wait();
     __shared__ unsigned long long cand[PICK_MAX_CHUNKS * PICK_MAX_K];
     __shared__ unsigned long long s_u[32];
+    __shared__ double s_stats[PICK_MAX_CHUNKS * 3];
+    __shared__ unsigned int s_ids[PICK_MAX_K];
     int p = blockIdx.x, n = chunks * k;
     const float* row = logits + (size_t)rows[p] * vocab;
+    // Every load this block needs from the partials at once (not one chunk after another in
+    // thread 0's loop below: each would wait for the last).
     for (int i = threadIdx.x; i < n; i += blockDim.x) cand[i] = top[(size_t)p * n + i];
+    for (int i = threadIdx.x; i < chunks * 3; i += blockDim.x)
+        s_stats[i] = stats[(size_t)p * chunks * 3 + i];
     __syncthreads();
     unsigned int* o = out + (size_t)p * PICK_WORDS(k);
     unsigned int first = 0xffffffffu;
@@ -1395,17 +1401,22 @@ extern "C" __global__ void pick_finish(const float* logits, int vocab, const int
         __syncthreads();
         unsigned int id = win ? pick_index(win) : 0xffffffffu;
         if (r == 0) first = id;
-        if (threadIdx.x == 0) {
-            o[6 + 2 * r] = id;
-            o[7 + 2 * r] = win ? __float_as_uint(row[id]) : __float_as_uint(NEG_INF);
-        }
+        if (threadIdx.x == 0) s_ids[r] = id;
+    }
+    __syncthreads();
+    // The candidates' logits, one thread each, all loads in flight together.
+    if (threadIdx.x < k) {
+        unsigned int id = s_ids[threadIdx.x];
+        o[6 + 2 * threadIdx.x] = id;
+        o[7 + 2 * threadIdx.x] =
+            id != 0xffffffffu ? __float_as_uint(row[id]) : __float_as_uint(NEG_INF);
     }
     if (threadIdx.x == 0) {
         // The chunks combined in order: M = max M_c, S = sum S_c e^(M_c - M).
         double mx = -1.0 / 0.0, s0 = 0.0, s1 = 0.0;
-        for (int c = 0; c < chunks; c++) mx = fmax(mx, stats[((size_t)p * chunks + c) * 3]);
+        for (int c = 0; c < chunks; c++) mx = fmax(mx, s_stats[c * 3]);
         for (int c = 0; c < chunks; c++) {
-            const double* st = stats + ((size_t)p * chunks + c) * 3;
+            const double* st = s_stats + c * 3;
             if (st[1] > 0.0) {
                 double w = exp(st[0] - mx);
                 s0 += st[1] * w;
