@@ -1263,22 +1263,23 @@ __device__ __forceinline__ unsigned int pick_index(unsigned long long c) {
     return ~(unsigned int)(c & 0xffffffffull);
 }
 
-// The largest packed candidate of the block; every thread gets it.
-__device__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* shared32) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+// The largest packed candidate of the warp; every lane gets it.
+__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
     for (int o = 16; o > 0; o >>= 1) {
         unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
         v = w > v ? w : v;
     }
+    return v;
+}
+
+// The largest packed candidate of the block; every thread gets it.
+__device__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* shared32) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_max_u64(v);
     __syncthreads();
     if (lane == 0) shared32[warp] = v;
     __syncthreads();
-    unsigned long long t = lane < warps ? shared32[lane] : 0ull;
-    for (int o = 16; o > 0; o >>= 1) {
-        unsigned long long w = __shfl_xor_sync(0xffffffffu, t, o);
-        t = w > t ? w : t;
-    }
-    return t;
+    return warp_max_u64(lane < warps ? shared32[lane] : 0ull);
 }
 
 __device__ double block_sum_f64(double v, double* shared32) {
@@ -1304,7 +1305,6 @@ extern "C" __global__ void pick_partial(const float* logits, int vocab, const in
     TD_SCOPE("pick_partial");
     pdl_launch_dependents();
     pdl_wait();
-    __shared__ unsigned long long s_u[32];
     __shared__ double s_d[33];
     __shared__ float s_f[32];
     int p = blockIdx.x, c = blockIdx.y, chunks = gridDim.y;
@@ -1339,7 +1339,12 @@ extern "C" __global__ void pick_partial(const float* logits, int vocab, const in
         stats[pc * 3 + 1] = s0;
         stats[pc * 3 + 2] = s1;
     }
-    // k rounds of "best not yet taken"; each thread marks what it gave in a bit mask.
+    // The chunk's k best in two steps with no block barrier per round: each warp takes the k
+    // best of its lanes' values (k rounds of "best not yet taken", each lane marking what it gave
+    // in a bit mask), then warp 0 the k best of the warps' lists. Candidates are unique (the
+    // index is in them), so this is exactly the block-wide selection.
+    __shared__ unsigned long long s_wtop[PICK_THREADS / 32][PICK_MAX_K];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned int taken = 0;
     for (int r = 0; r < k; r++) {
         unsigned long long best = 0;
@@ -1351,12 +1356,33 @@ extern "C" __global__ void pick_partial(const float* logits, int vocab, const in
                 best = cand > best ? cand : best;
             }
         }
-        unsigned long long win = block_max_u64(best, s_u);
+        unsigned long long win = warp_max_u64(best);
         if (win != 0 && win == best) {
             int local = (int)pick_index(win) - base - threadIdx.x;
             taken |= 1u << (local / PICK_THREADS);
         }
-        if (threadIdx.x == 0) top[pc * k + r] = win;
+        if (lane == 0) s_wtop[warp][r] = win;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    constexpr int PER = PICK_THREADS / 32 * PICK_MAX_K / 32;
+    const int all = PICK_THREADS / 32 * k;
+    unsigned long long lists[PER];
+#pragma unroll
+    for (int q = 0; q < PER; q++) {
+        int at = lane + 32 * q;
+        lists[q] = at < all ? s_wtop[at / k][at % k] : 0ull;
+    }
+    for (int r = 0; r < k; r++) {
+        unsigned long long best = 0;
+#pragma unroll
+        for (int q = 0; q < PER; q++) best = lists[q] > best ? lists[q] : best;
+        unsigned long long win = warp_max_u64(best);
+        if (win != 0 && win == best) {
+#pragma unroll
+            for (int q = 0; q < PER; q++) lists[q] = lists[q] == win ? 0ull : lists[q];
+        }
+        if (lane == 0) top[pc * k + r] = win;
     }
 }
 
