@@ -1003,41 +1003,59 @@ __device__ __forceinline__ void attention_impl(float* out, const float* q, const
         acc[i] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
+    // A one-key software pipeline: the block-table lookup and the K and V loads (or the given
+    // score) of position j + ATT_WARPS are issued before position j is summed, so a warp waits on
+    // memory about once per key instead of three times (table, K, then V after the q·k
+    // reduction). The arithmetic and its order are those of one key at a time.
+    float kc[MAX_DPL], vc[MAX_DPL], sc = 0.0f;
+    auto fetch = [&](int j, float kx[MAX_DPL], float vx[MAX_DPL], float* s) {
+        bool in = j < n_ctx;
+        size_t off = in ? kv_offset(table, j, bs, kv_dim, kvh, hd) : 0;
+        float ksc = in ? kv_row_scale(k_pool, k_scale, off, hd) : 0.0f;
+        float vsc = in ? kv_row_scale(v_pool, v_scale, off, hd) : 0.0f;
+        *s = in && sc_row ? sc_row[j] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < MAX_DPL; i++) {
+            int d = lane + 32 * i;
+            bool live = in && d < hd;
+            kx[i] = live && !sc_row ? kv_get(k_pool, off + d, ksc) : 0.0f;
+            vx[i] = live ? kv_get(v_pool, off + d, vsc) : 0.0f;
+        }
+    };
+    fetch(warp, kc, vc, &sc);
     for (int j = warp; j < n_ctx; j += ATT_WARPS) {
-        if (j == skip) continue;
-        size_t off = kv_offset(table, j, bs, kv_dim, kvh, hd);
-        float ksc = kv_row_scale(k_pool, k_scale, off, hd);
-        float vsc = kv_row_scale(v_pool, v_scale, off, hd);
-        float s;
-        if (sc_row) {
-            s = sc_row[j];
-            if (s == NEG_INF) continue;
-        } else {
+        float kn[MAX_DPL], vn[MAX_DPL], sn;
+        fetch(j + ATT_WARPS, kn, vn, &sn);
+        float s = sc;
+        bool live = j != skip && !(sc_row && s == NEG_INF);
+        if (live && !sc_row) {
             float part = 0.0f;
 #pragma unroll
             for (int i = 0; i < MAX_DPL; i++) {
                 int d = lane + 32 * i;
-                if (d < hd) {
-                    float kx = kv_get(k_pool, off + d, ksc);
-                    part += qr[i] * (bf16 ? round_bf16(kx) : kx);
-                }
+                if (d < hd) part += qr[i] * (bf16 ? round_bf16(kc[i]) : kc[i]);
             }
             s = warp_sum(part) * scale;
         }
-        float m_new = fmaxf(m, s);
-        float corr = expf(m - m_new);
-        float p = expf(s - m_new);
-        l = l * corr + p;
-        float pv = bf16 ? round_bf16(p) : p;
+        if (live) {
+            float m_new = fmaxf(m, s);
+            float corr = expf(m - m_new);
+            float p = expf(s - m_new);
+            l = l * corr + p;
+            float pv = bf16 ? round_bf16(p) : p;
+#pragma unroll
+            for (int i = 0; i < MAX_DPL; i++) {
+                int d = lane + 32 * i;
+                if (d < hd) acc[i] = acc[i] * corr + pv * (bf16 ? round_bf16(vc[i]) : vc[i]);
+            }
+            m = m_new;
+        }
 #pragma unroll
         for (int i = 0; i < MAX_DPL; i++) {
-            int d = lane + 32 * i;
-            if (d < hd) {
-                float vx = kv_get(v_pool, off + d, vsc);
-                acc[i] = acc[i] * corr + pv * (bf16 ? round_bf16(vx) : vx);
-            }
+            kc[i] = kn[i];
+            vc[i] = vn[i];
         }
-        m = m_new;
+        sc = sn;
     }
     if (lane == 0) {
         s_m[warp] = m;
