@@ -41,6 +41,7 @@ def cut(src, start, end_fn):
 
 PRELUDE = r"""
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -71,6 +72,18 @@ static std::vector<std::unique_ptr<std::barrier<>>> g_warp_bars;
 static std::vector<float> g_xchg;
 static void __syncthreads() { g_block_bar->arrive_and_wait(); }
 static void __syncwarp(unsigned = 0xffffffffu) { g_warp_bars[threadIdx.x >> 5]->arrive_and_wait(); }
+// __syncthreads that also returns whether any thread's predicate was non-zero.
+static std::atomic<int> g_or{0};
+static int __syncthreads_or(int pred) {
+  __syncthreads();  // the previous call's readers are done
+  if (pred) g_or.store(1);
+  __syncthreads();
+  const int r = g_or.load();
+  __syncthreads();
+  if (threadIdx.x == 0) g_or.store(0);
+  return r;
+}
+static unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
 // A warp shuffle: every lane of the warp must call it (as the kernels' full-mask shuffles require).
 static float shfl_from(float v, int src_lane) {
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;

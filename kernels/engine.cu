@@ -1225,9 +1225,21 @@ extern "C" __global__ void topk_mask(float* scores, int scores_stride, const int
         hist[threadIdx.x] = 0;
         __syncthreads();
         unsigned int prefix = s_prefix;
-        for (int j = threadIdx.x; j < n; j += blockDim.x) {
-            unsigned int key = float_key(row[j]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        // NORM_UNROLL scores loaded before any is counted (a plain block-stride loop waits for
+        // each load); the counts do not depend on the order.
+        for (int base = threadIdx.x; base < n; base += NORM_UNROLL * blockDim.x) {
+            unsigned int keys[NORM_UNROLL];
+#pragma unroll
+            for (int u = 0; u < NORM_UNROLL; u++) {
+                int j = base + u * blockDim.x;
+                keys[u] = j < n ? float_key(row[j]) : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < NORM_UNROLL; u++) {
+                int j = base + u * blockDim.x;
+                if (j < n && (keys[u] & mask) == prefix)
+                    atomicAdd(&hist[(keys[u] >> shift) & 255u], 1u);
+            }
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -1252,13 +1264,15 @@ extern "C" __global__ void topk_mask(float* scores, int scores_stride, const int
         unsigned int key = j < n ? float_key(row[j]) : 0u;
         unsigned int eq = (j < n && key == thr) ? 1u : 0u;
         s_scan[threadIdx.x] = eq;
-        __syncthreads();
-        // Inclusive scan (Hillis-Steele) of the tie flags of this chunk.
-        for (int o = 1; o < 256; o <<= 1) {
-            unsigned int v = threadIdx.x >= o ? s_scan[threadIdx.x - o] : 0u;
-            __syncthreads();
-            s_scan[threadIdx.x] += v;
-            __syncthreads();
+        // Inclusive scan (Hillis-Steele) of the tie flags of this chunk; a chunk with no tie
+        // (most of them) keeps its zeros and skips the scan's 16 barriers.
+        if (__syncthreads_or(eq)) {
+            for (int o = 1; o < 256; o <<= 1) {
+                unsigned int v = threadIdx.x >= o ? s_scan[threadIdx.x - o] : 0u;
+                __syncthreads();
+                s_scan[threadIdx.x] += v;
+                __syncthreads();
+            }
         }
         unsigned int before = s_taken;
         if (j < n) {
