@@ -27,7 +27,8 @@ code = "\n".join(
         cut(eng, "__device__ __forceinline__ float warp_sum", "block_sum("),
         "#define NORM_UNROLL " + eng.split("#define NORM_UNROLL ")[1].split()[0],
         "#define GEMV_MAX_ROWS " + eng.split("#define GEMV_MAX_ROWS ")[1].split()[0],
-        cut(eng, "__device__ __forceinline__ void rms_norm_row", "rms_norm_row("),
+        cut(eng, "template <int N, typename Store>", "rms_norm_rows("),
+        cut(eng, "__device__ __forceinline__ void rms_norm_row(", "rms_norm_row("),
         # The dynamic shared memory of a GEMV block, as a fixed host array.
         cut(eng, "template <int N>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
         .replace("extern __shared__ uint4 gemv_smem[];", "static uint4 gemv_smem[4096];"),

@@ -701,8 +701,9 @@ decode_attn_mma_f32kv(float* out, const float* q, const float* k_pool, const flo
                    v_scale);
 }
 
-// FP8 pools: the codes are widened with the scales the pool's writer stored. With head_dim 128 a stage (two bf16-sized matrices and the scales) is 8320 bytes, so each warp has one
-// stage and waits on each tile's loads (head_dim 64: three stages).
+// FP8 pools: the codes are widened with the scales the pool's writer stored. With head_dim 128 a
+// stage (two bf16-sized matrices and the scales) is 8320 bytes, so each warp has one stage and
+// waits on each tile's loads (head_dim 64: three stages).
 extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
 decode_attn_mma_fp8kv(float* out, const float* q, const unsigned char* k_pool, const unsigned char* v_pool,
                       const int* block_tables, const int* context_lens, float* partial_out, float* partial_ml,

@@ -206,51 +206,72 @@ extern "C" __global__ void embed_gather(float* out, const float* table, const un
     }
 }
 
+// The RMSNorm of N rows of `in` values (x row-major) by a block of 256 threads, as every kernel
+// here computes it (the rms_norm kernel, the GEMVs' fused prologue, the persistent step), so they
+// all give the same bits: each thread's sum of squares over i = tid, tid + blockDim, ... in that
+// order, the block reduction, x * inv * w. The loads of several strides of all rows are issued
+// before any is used (about NORM_UNROLL values per row and pass; fewer strides per batch for more
+// rows keep the registers in check, as the GEMVs' prefetched weights are live across it), so the
+// norm waits on memory three or four times instead of 2 * in / 256. store(r, i, y) receives
+// each normalized value.
+template <int N, typename Store>
+__device__ __forceinline__ void rms_norm_rows(const float* x, const float* w, float eps, int in,
+                                              Store store) {
+    constexpr int U1 = NORM_UNROLL / N > 1 ? NORM_UNROLL / N : 1;
+    constexpr int U2 = NORM_UNROLL / 2 / N > 1 ? NORM_UNROLL / 2 / N : 1;
+    __shared__ float s32[32];
+    float ss[N], inv[N];
+#pragma unroll
+    for (int r = 0; r < N; r++) ss[r] = 0.0f;
+    for (int base = threadIdx.x; base < in; base += U1 * blockDim.x) {
+        float v[N][U1];
+#pragma unroll
+        for (int u = 0; u < U1; u++) {
+            int i = base + u * blockDim.x;
+#pragma unroll
+            for (int r = 0; r < N; r++) v[r][u] = i < in ? x[(size_t)r * in + i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < U1; u++) {
+#pragma unroll
+            for (int r = 0; r < N; r++) ss[r] += v[r][u] * v[r][u];  // a zero past the end adds nothing
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < N; r++) inv[r] = 1.0f / sqrtf(block_sum(ss[r], s32) / (float)in + eps);
+    for (int base = threadIdx.x; base < in; base += U2 * blockDim.x) {
+        float g[U2], v[N][U2];
+#pragma unroll
+        for (int u = 0; u < U2; u++) {
+            int i = base + u * blockDim.x;
+            g[u] = i < in ? w[i] : 0.0f;
+#pragma unroll
+            for (int r = 0; r < N; r++) v[r][u] = i < in ? x[(size_t)r * in + i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < U2; u++) {
+            int i = base + u * blockDim.x;
+            if (i >= in) continue;
+#pragma unroll
+            for (int r = 0; r < N; r++) store(r, i, g[u] * (v[r][u] * inv[r]));
+        }
+    }
+}
+
 // RMSNorm per row: x / sqrt(mean(x^2) + eps) * w, into out (f32), or with out_bf16 != NULL
 // rounded to bf16 there instead (the next GEMM's input for matmul=bf16: one launch, not two).
 // grid (rows), block 256.
 // One row of rms_norm (row `row` of x), by a block of 256 threads: shared with the persistent
-// decode kernel (decode_step.cu), so both compute the same bits.
+// decode kernel (decode_step.cu).
 __device__ __forceinline__ void rms_norm_row(float* out, bf16_t* out_bf16, const float* x,
                                              const float* w, int d, float eps, int row) {
-    __shared__ float s32[32];
-    const float* xr = x + (size_t)row * d;
-    // Each thread's sum of squares over i = tid, tid + blockDim, ... in that order
-    // (NORM_UNROLL strides loaded at a time; a zero past the end adds nothing).
-    float ss = 0.0f;
-    for (int base = threadIdx.x; base < d; base += NORM_UNROLL * blockDim.x) {
-        float v[NORM_UNROLL];
-#pragma unroll
-        for (int u = 0; u < NORM_UNROLL; u++) {
-            int i = base + u * blockDim.x;
-            v[u] = i < d ? xr[i] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < NORM_UNROLL; u++) ss += v[u] * v[u];
-    }
-    ss = block_sum(ss, s32) / (float)d;
-    float inv = 1.0f / sqrtf(ss + eps);
-    // Two loads per stride here: half the strides per batch.
-    constexpr int U2 = NORM_UNROLL / 2 > 1 ? NORM_UNROLL / 2 : 1;
-    for (int base = threadIdx.x; base < d; base += U2 * blockDim.x) {
-        float xv[U2], wv[U2];
-#pragma unroll
-        for (int u = 0; u < U2; u++) {
-            int i = base + u * blockDim.x;
-            xv[u] = i < d ? xr[i] : 0.0f;
-            wv[u] = i < d ? w[i] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < U2; u++) {
-            int i = base + u * blockDim.x;
-            if (i >= d) continue;
-            float y = wv[u] * (xv[u] * inv);
-            if (out_bf16)
-                out_bf16[(size_t)row * d + i] = f32_to_bf16_bits(y);
-            else
-                out[(size_t)row * d + i] = y;
-        }
-    }
+    size_t at = (size_t)row * d;
+    rms_norm_rows<1>(x + at, w, eps, d, [&](int, int i, float y) {
+        if (out_bf16)
+            out_bf16[at + i] = f32_to_bf16_bits(y);
+        else
+            out[at + i] = y;
+    });
 }
 
 extern "C" __global__ void rms_norm(float* out, bf16_t* out_bf16, const float* x, const float* w,
@@ -445,59 +466,18 @@ __device__ __forceinline__ void gemv_store(const float acc[N], const float* b, f
 }
 
 // With norm_w != NULL, x is the f32 residual stream (N rows of `in`) and the block first computes
-// its RMSNorm into shared memory as bf16 (N * in * 2 bytes of dynamic shared memory), exactly as
-// the rms_norm kernel computes it with 256 threads (same partial sums in the same order, same
-// block reduction, same formula), so fusing the norm changes no bit of the GEMV's input. Every
-// block recomputes it (a few KB read from L2), which costs less than a launch. The loads of
-// several strides of all rows are in flight together (about NORM_UNROLL values per row and
-// pass), so the prologue waits on memory three or four times instead of 2 * in / 256; fewer
-// strides per batch for more rows keep the registers in check (the weights prefetched before the
-// PDL wait are live across it). ci/norm_host_check.py holds it to rms_norm_row bit for bit.
+// its RMSNorm into shared memory as bf16 (N * in * 2 bytes of dynamic shared memory) with
+// rms_norm_rows, as the rms_norm kernel does, so fusing the norm changes no bit of the GEMV's
+// input. Every block recomputes it (a few KB read from L2), which costs less than a launch.
+// ci/norm_host_check.py holds it to rms_norm_row bit for bit.
 template <int N>
 __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, const float* norm_w,
                                                             float eps, int in) {
-    constexpr int U1 = NORM_UNROLL / N > 1 ? NORM_UNROLL / N : 1;
-    constexpr int U2 = NORM_UNROLL / 2 / N > 1 ? NORM_UNROLL / 2 / N : 1;
     extern __shared__ uint4 gemv_smem[];
-    __shared__ float s32[32];
     bf16_t* xs = (bf16_t*)gemv_smem;
-    float ss[N], inv[N];
-#pragma unroll
-    for (int r = 0; r < N; r++) ss[r] = 0.0f;
-    for (int base = threadIdx.x; base < in; base += U1 * blockDim.x) {
-        float v[N][U1];
-#pragma unroll
-        for (int u = 0; u < U1; u++) {
-            int i = base + u * blockDim.x;
-#pragma unroll
-            for (int r = 0; r < N; r++) v[r][u] = i < in ? x[(size_t)r * in + i] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < U1; u++) {
-#pragma unroll
-            for (int r = 0; r < N; r++) ss[r] += v[r][u] * v[r][u];
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < N; r++) inv[r] = 1.0f / sqrtf(block_sum(ss[r], s32) / (float)in + eps);
-    for (int base = threadIdx.x; base < in; base += U2 * blockDim.x) {
-        float g[U2], v[N][U2];
-#pragma unroll
-        for (int u = 0; u < U2; u++) {
-            int i = base + u * blockDim.x;
-            g[u] = i < in ? norm_w[i] : 0.0f;
-#pragma unroll
-            for (int r = 0; r < N; r++) v[r][u] = i < in ? x[(size_t)r * in + i] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < U2; u++) {
-            int i = base + u * blockDim.x;
-            if (i >= in) continue;
-#pragma unroll
-            for (int r = 0; r < N; r++)
-                xs[(size_t)r * in + i] = f32_to_bf16_bits(g[u] * (v[r][u] * inv[r]));
-        }
-    }
+    rms_norm_rows<N>(x, norm_w, eps, in, [&](int r, int i, float y) {
+        xs[(size_t)r * in + i] = f32_to_bf16_bits(y);
+    });
     __syncthreads();
     return xs;
 }
