@@ -83,6 +83,21 @@ pub enum AttnDecode {
     MmaBf16,
 }
 
+/// The prompt (prefill) attention kernel.
+///
+/// `MmaBf16` is the bf16 tensor-core prefill of GPU engines (flash-attention style: q, k, the
+/// softmax probabilities against a running max, and v rounded to bf16, f32 accumulation). On the
+/// CPU, and on the GPU for head dims it does not take, its roundings are emulated with the row's
+/// final max; decode steps are unaffected (see [`AttnDecode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum AttnPrefill {
+    /// f32 on CUDA cores (the tiled kernel): the reference.
+    #[default]
+    SimtF32,
+    /// bf16 tensor cores (`mma.sync`), online softmax.
+    MmaBf16,
+}
+
 /// How the GPU runs linear layers of a few tokens (decode steps) with `matmul=bf16`.
 ///
 /// Batch-1 decode is a matrix-vector product per weight matrix, bound by reading the weights.
@@ -143,6 +158,8 @@ pub struct Toggles {
     pub kv_dtype: KvDtype,
     /// Decode attention kernel (decode steps only).
     pub attn_decode: AttnDecode,
+    /// Prompt attention kernel (prefill and prompt chunks only).
+    pub attn_prefill: AttnPrefill,
     /// Sparse decode attention: each decode step attends only to the N cached tokens with the
     /// highest scores (like a DSA "lightning indexer"). `None` attends to all tokens.
     pub decode_topk: Option<NonZeroUsize>,
@@ -194,6 +211,7 @@ impl Default for Toggles {
             attn_scores: Precision::F32,
             kv_dtype: KvDtype::F32,
             attn_decode: AttnDecode::SimtF32,
+            attn_prefill: AttnPrefill::SimtF32,
             decode_topk: None,
             cuda_graphs: false,
             small_gemm: SmallGemm::Cublas,
@@ -250,6 +268,12 @@ pub const REGISTRY: &[ToggleSpec] = &[
         values: "simt-f32 | mma-bf16",
         default: "simt-f32",
         description: "decode attention kernel (mma-bf16: bf16 q/k/p/v, f32 accumulate)",
+    },
+    ToggleSpec {
+        name: "attn_prefill",
+        values: "simt-f32 | mma-bf16",
+        default: "simt-f32",
+        description: "prompt attention kernel (mma-bf16: bf16 tensor cores, q/k/p/v rounded, f32 accumulate)",
     },
     ToggleSpec {
         name: "decode_topk",
@@ -404,6 +428,13 @@ impl Toggles {
                     _ => return Err(bad(name, value)),
                 }
             }
+            "attn_prefill" => {
+                self.attn_prefill = match value {
+                    "simt-f32" => AttnPrefill::SimtF32,
+                    "mma-bf16" => AttnPrefill::MmaBf16,
+                    _ => return Err(bad(name, value)),
+                }
+            }
             "decode_topk" => self.decode_topk = parse_off_or_n(name, value)?,
             "cuda_graphs" => self.cuda_graphs = parse_on_off(name, value, "on")?,
             "small_gemm" => {
@@ -457,6 +488,11 @@ impl Toggles {
             "attn_decode" => match self.attn_decode {
                 AttnDecode::SimtF32 => "simt-f32",
                 AttnDecode::MmaBf16 => "mma-bf16",
+            }
+            .to_string(),
+            "attn_prefill" => match self.attn_prefill {
+                AttnPrefill::SimtF32 => "simt-f32",
+                AttnPrefill::MmaBf16 => "mma-bf16",
             }
             .to_string(),
             "decode_topk" => off_or_n(self.decode_topk),
@@ -528,16 +564,24 @@ impl Toggles {
     }
 
     /// Whether attention rounds its operands to bf16: everywhere with `attn_scores=bf16`, in
-    /// decode steps with the bf16 tensor-core decode kernel (`attn_decode=mma-bf16`).
+    /// decode steps with the bf16 tensor-core decode kernel (`attn_decode=mma-bf16`), in prompt
+    /// tokens with the tensor-core prefill kernel (`attn_prefill=mma-bf16`).
     pub fn attention_bf16(&self, decode: bool) -> bool {
-        self.attn_scores == Precision::Bf16 || (decode && self.attn_decode == AttnDecode::MmaBf16)
+        self.attn_scores == Precision::Bf16
+            || if decode {
+                self.attn_decode == AttnDecode::MmaBf16
+            } else {
+                self.attn_prefill == AttnPrefill::MmaBf16
+            }
     }
 
     /// True when a decode step computes exactly what a prefill of the same token would: no decode-
     /// only kernel or selection is on. Only then may KV written by decode steps be shared through
     /// the prefix cache with later prompts (which prefill those positions).
     pub fn decode_matches_prefill(&self) -> bool {
-        self.decode_topk.is_none() && self.attn_decode == AttnDecode::SimtF32
+        self.decode_topk.is_none()
+            && self.attn_decode == AttnDecode::SimtF32
+            && self.attn_prefill == AttnPrefill::SimtF32
     }
 
     /// True when any `fault.*` toggle is on.
@@ -652,17 +696,34 @@ mod tests {
 
     #[test]
     fn decode_only_toggles_break_decode_prefill_equality() {
+        // (attn_prefill=mma-bf16 changes prompt rows only, which breaks the equality from the
+        // other side: decode steps keep the f32 kernel.)
         assert!(Toggles::default().decode_matches_prefill());
         assert!("matmul=bf16,kv_dtype=fp8-e4m3,prefill_chunk=8"
             .parse::<Toggles>()
             .unwrap()
             .decode_matches_prefill());
-        for t in ["decode_topk=64", "attn_decode=mma-bf16"] {
+        for t in [
+            "decode_topk=64",
+            "attn_decode=mma-bf16",
+            "attn_prefill=mma-bf16",
+        ] {
             assert!(
                 !t.parse::<Toggles>().unwrap().decode_matches_prefill(),
                 "{t}"
             );
         }
+    }
+
+    #[test]
+    fn each_attention_kernel_toggle_rounds_only_its_own_rows() {
+        let prefill: Toggles = "attn_prefill=mma-bf16".parse().unwrap();
+        assert!(prefill.attention_bf16(false) && !prefill.attention_bf16(true));
+        let decode: Toggles = "attn_decode=mma-bf16".parse().unwrap();
+        assert!(!decode.attention_bf16(false) && decode.attention_bf16(true));
+        let both: Toggles = "attn_scores=bf16".parse().unwrap();
+        assert!(both.attention_bf16(false) && both.attention_bf16(true));
+        assert!(!Toggles::default().attention_bf16(false));
     }
 
     #[test]

@@ -426,6 +426,7 @@ fn cuda_matches_cpu_on_both_fixtures_under_every_numeric_toggle() {
             ("matmul=bf16", 2e-2),
             ("attn_scores=bf16", 2e-2),
             ("attn_decode=mma-bf16", 2e-2),
+            ("attn_prefill=mma-bf16", 2e-2),
             ("matmul=bf16,small_gemm=gemv", 2e-2),
             ("matmul=bf16,small_gemm=gemv,pdl=on", 2e-2),
             ("matmul=bf16,small_gemm=gemv,pdl=all", 2e-2),
@@ -670,27 +671,7 @@ fn cuda_mma_bf16_decode_kernel_on_head_dim_64_and_128() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    for (hd, heads, kv) in [(64usize, 8usize, 2usize), (128, 4, 1)] {
-        let mut spec = tapedeck_engine::fixture::FixtureSpec::tiny_llama();
-        spec.name = format!("mma-hd{hd}");
-        spec.hidden_size = 256;
-        spec.num_heads = heads;
-        spec.num_kv_heads = kv;
-        spec.head_dim = Some(hd);
-        spec.num_layers = 2;
-        let path = dir.path().join(&spec.name);
-        tapedeck_engine::fixture::build(&spec, &path).unwrap();
-        let load = |device| {
-            Engine::load_with(
-                &path,
-                &EngineOptions {
-                    threads: None,
-                    device,
-                },
-            )
-            .unwrap()
-        };
-        let (cpu, gpu) = (load(Device::Cpu), load(Device::Cuda(0)));
+    for (hd, cpu, gpu) in mma_models(dir.path()) {
         let mut r = rng();
         // Long enough for several splits; decode steps cross block boundaries.
         let p = tokens(&cpu, r.random_range(600..1500), &mut r);
@@ -703,12 +684,85 @@ fn cuda_mma_bf16_decode_kernel_on_head_dim_64_and_128() {
         let moved_cpu = worst(&want, &f32_cpu);
         let moved_gpu = worst(&got, &f32_cpu);
         println!(
-            "head_dim {hd} ({heads}/{kv} heads), {} tokens: mma vs CPU emulation {err:.2e}; \
+            "head_dim {hd}, {} tokens: mma vs CPU emulation {err:.2e}; \
              change from f32: cpu {moved_cpu:.2e}, cuda {moved_gpu:.2e}",
             p.len()
         );
         assert!(err <= 2e-2, "head_dim {hd}: {err:e}");
         assert!(moved_gpu > 0.0, "the mma kernel changed nothing");
+    }
+}
+
+/// Two small models whose heads the tensor-core kernels take (the fixtures have head_dim 32,
+/// for which they fall back to the SIMT kernels with bf16 roundings): GQA 8/2 at head_dim 64 and
+/// 4/1 at 128, two layers, built in `dir`.
+fn mma_models(dir: &Path) -> Vec<(usize, Engine, Engine)> {
+    [(64usize, 8usize, 2usize), (128, 4, 1)]
+        .into_iter()
+        .map(|(hd, heads, kv)| {
+            let mut spec = tapedeck_engine::fixture::FixtureSpec::tiny_llama();
+            spec.name = format!("mma-hd{hd}");
+            spec.hidden_size = 256;
+            spec.num_heads = heads;
+            spec.num_kv_heads = kv;
+            spec.head_dim = Some(hd);
+            spec.num_layers = 2;
+            let path = dir.join(&spec.name);
+            tapedeck_engine::fixture::build(&spec, &path).unwrap();
+            let load = |device| {
+                Engine::load_with(
+                    &path,
+                    &EngineOptions {
+                        threads: None,
+                        device,
+                    },
+                )
+                .unwrap()
+            };
+            (hd, load(Device::Cpu), load(Device::Cuda(0)))
+        })
+        .collect()
+}
+
+#[test]
+fn cuda_mma_bf16_prefill_kernel_on_head_dim_64_and_128() {
+    // The tensor-core prefill kernel (attn_prefill=mma-bf16) against the CPU's emulation of its
+    // roundings, over f32, bf16 and FP8 pools, whole prompts and prompts in chunks of 61 (ragged
+    // tiles, K/V tiles that straddle a chunk start, one-token chunks when the length says so),
+    // then decode steps on the KV it wrote. And it must move the logits: a kernel that silently
+    // fell back to f32 would pass the bound alone.
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (hd, cpu, gpu) in mma_models(dir.path()) {
+        let mut r = rng();
+        for kv in ["f32", "bf16", "fp8-e4m3"] {
+            let p = tokens(&cpu, r.random_range(600..1500), &mut r);
+            let d = tokens(&cpu, 8, &mut r);
+            let base: Toggles = format!("kv_dtype={kv}").parse().unwrap();
+            let t: Toggles = format!("kv_dtype={kv},attn_prefill=mma-bf16")
+                .parse()
+                .unwrap();
+            let plain = run(&gpu, &p, &d, p.len(), &base);
+            for chunk in [p.len(), 61] {
+                let want = run(&cpu, &p, &d, chunk, &t);
+                let got = run(&gpu, &p, &d, chunk, &t);
+                let err = worst(&got, &want);
+                let moved = worst(&got, &plain);
+                println!(
+                    "head_dim {hd}, kv_dtype={kv}, {} tokens in chunks of {chunk}: mma prefill vs \
+                     CPU emulation {err:.2e}; change from the SIMT kernel {moved:.2e}",
+                    p.len()
+                );
+                // FP8 K/V amplify every rounding difference (its bound vs the CPU is 5e-2 in
+                // cuda_matches_cpu_on_both_fixtures_under_every_numeric_toggle too).
+                let bound = if kv == "fp8-e4m3" { 5e-2 } else { 2e-2 };
+                assert!(err <= bound, "head_dim {hd}, {kv}, chunk {chunk}: {err:e}");
+                assert!(moved > 0.0, "the mma prefill kernel changed nothing");
+            }
+        }
     }
 }
 
@@ -1327,6 +1381,10 @@ fn cuda_llama_1b_logits_match_the_cpu_engine() {
         ("", 1e-4),
         ("matmul=bf16,attn_decode=mma-bf16", 5e-2),
         ("matmul=bf16,attn_decode=mma-bf16,cuda_graphs=on", 5e-2),
+        (
+            "matmul=bf16,attn_decode=mma-bf16,attn_prefill=mma-bf16",
+            5e-2,
+        ),
         (
             "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on",
             5e-2,

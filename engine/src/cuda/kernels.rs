@@ -102,6 +102,44 @@ pub fn prefill_smem(head_dim: usize) -> usize {
     4 * ((PREFILL_ROWS + 2 * bn) * (head_dim + 4) + PREFILL_ROWS * (bn + 4))
 }
 
+/// The bf16 tensor-core prefill attention (`attn_prefill=mma-bf16`): `mma.sync` m16n8k16 over
+/// the same tile list as [`PREFILL`], after the decode kernel's source, whose device helpers
+/// (fragments, swizzle, cp.async, conversions) it shares (so the module also holds the decode
+/// entry points, unused from here).
+pub const PREFILL_MMA: KernelSource = KernelSource {
+    name: "prefill_attention_mma.cu",
+    code: concat!(
+        include_str!("../../../kernels/trace.cu"),
+        include_str!("../../../kernels/decode_attention_mma.cu"),
+        include_str!("../../../kernels/prefill_attention_mma.cu")
+    ),
+    entry_points: &[
+        "prefill_attn_mma_f32kv_hd64",
+        "prefill_attn_mma_f32kv_hd128",
+        "prefill_attn_mma_bf16kv_hd64",
+        "prefill_attn_mma_bf16kv_hd128",
+        "prefill_attn_mma_fp8kv_hd64",
+        "prefill_attn_mma_fp8kv_hd128",
+    ],
+};
+
+/// Threads per block of the tensor-core prefill kernel (its `PM_THREADS`).
+pub const PREFILL_MMA_THREADS: usize = 128;
+
+/// Dynamic shared memory of the tensor-core prefill kernel for `head_dim` over a pool of
+/// `elem_bytes`-byte elements (its `PM_SMEM_BYTES(hd, es)`): bf16 pools double-buffer the bf16
+/// K/V tiles of 64 positions, f32 and FP8 pools stage one raw tile (and FP8 its scales) beside
+/// one converted pair.
+pub fn prefill_mma_smem(head_dim: usize, elem_bytes: usize) -> usize {
+    const BN: usize = 64;
+    let tile = BN * 2 * head_dim;
+    match elem_bytes {
+        2 => 4 * tile,
+        1 => 2 * BN * head_dim + 2 * BN * 4 + 2 * tile,
+        _ => 2 * BN * elem_bytes * head_dim + 2 * tile,
+    }
+}
+
 /// The bf16 tensor-core decode attention (`attn_decode=mma-bf16`): `mma.sync` m16n8k16 over a
 /// paged KV cache, split-K over the context, and the kernel that merges the splits. See
 /// `docs/cuda_decode_attention.md`.
@@ -157,7 +195,7 @@ pub const FUSED: KernelSource = KernelSource {
 };
 
 /// Every kernel source shipped (what the portability test compiles for each architecture).
-pub const ALL: &[KernelSource] = &[ENGINE, DECODE_MMA, PREFILL, DECODE_STEP, FUSED];
+pub const ALL: &[KernelSource] = &[ENGINE, DECODE_MMA, PREFILL, PREFILL_MMA, DECODE_STEP, FUSED];
 
 /// The virtual architecture for a compute capability, e.g. `(9, 0)` → `compute_90`.
 pub fn virtual_arch(major: i32, minor: i32) -> String {

@@ -10,7 +10,7 @@
 use crate::generate::LogitsSummary;
 use crate::model::{Logits, Pick, Segment, WantLogits};
 use crate::models::llama::chunk_boundary_hidden;
-use crate::toggles::Toggles;
+use crate::toggles::{AttnPrefill, Toggles};
 
 /// Host-side index arrays of one pass, uploaded in one copy. Offsets are in i32 elements.
 pub(super) struct Meta {
@@ -210,7 +210,9 @@ pub(super) fn build_meta(
         let len = s.tokens.len();
         if !(decode_own && s.decode) {
             match tile_tokens {
-                Some(per) if len > 1 => {
+                // One-token prompt chunks too with the tensor-core kernel: `attention` rounds
+                // p against the final max, so a chunk boundary would change the bits.
+                Some(per) if len > 1 || toggles.attn_prefill == AttnPrefill::MmaBf16 => {
                     for j in (0..len).step_by(per) {
                         let count = per.min(len - j);
                         // (largest context in the tile, first token, count)

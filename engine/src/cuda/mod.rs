@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::model::{KvPool, Logits, Model, Segment, WantLogits};
 use crate::models::llama::{batch_positions, Linear};
 use crate::numerics::round_bf16;
-use crate::toggles::{AttnDecode, KvDtype, Pdl, Precision, SmallGemm, Toggles};
+use crate::toggles::{AttnDecode, AttnPrefill, KvDtype, Pdl, Precision, SmallGemm, Toggles};
 use meta::{build_meta, device_pick, parse_pick, pick_words, Meta, Pad, PICK_CHUNK};
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -182,6 +182,16 @@ impl KvElem {
     fn suffix(self) -> &'static str {
         match self {
             KvElem::F32 => "",
+            KvElem::Bf16 => "_bf16kv",
+            KvElem::Fp8 => "_fp8kv",
+        }
+    }
+
+    /// The suffix of the tensor-core kernels' entry points, which name every element type
+    /// (`decode_attn_mma_f32kv`, `prefill_attn_mma_bf16kv_hd64`).
+    fn mma_suffix(self) -> &'static str {
+        match self {
+            KvElem::F32 => "_f32kv",
             KvElem::Bf16 => "_bf16kv",
             KvElem::Fp8 => "_fp8kv",
         }
@@ -491,6 +501,9 @@ struct PoolKernels {
     decode_mma: CudaFunction,
     /// The tiled prefill kernel for this model's head_dim (none for other head dims).
     prefill: Option<CudaFunction>,
+    /// The tensor-core prefill kernel (`attn_prefill=mma-bf16`; head_dim 64 and 128 only, the
+    /// others run `prefill` with its bf16 roundings).
+    prefill_mma: Option<CudaFunction>,
 }
 
 /// Loaded kernel entry points.
@@ -587,13 +600,13 @@ impl Kernels {
             32 | 64 | 128 => Some(load_module(ctx, &kernels::PREFILL, arch, trace)?),
             _ => None,
         };
+        let prefill_mma = match head_dim {
+            64 | 128 => Some(load_module(ctx, &kernels::PREFILL_MMA, arch, trace)?),
+            _ => None,
+        };
         let pool = |elem: KvElem| -> Result<PoolKernels> {
             let sfx = elem.suffix();
-            let mma_name = match elem {
-                KvElem::F32 => "decode_attn_mma_f32kv",
-                KvElem::Bf16 => "decode_attn_mma_bf16kv",
-                KvElem::Fp8 => "decode_attn_mma_fp8kv",
-            };
+            let mma_name = format!("decode_attn_mma{}", elem.mma_suffix());
             Ok(PoolKernels {
                 rope_kv_write: f(&format!("rope_kv_write{sfx}"))?,
                 gemv_qkv_rope: match elem {
@@ -602,7 +615,7 @@ impl Kernels {
                 },
                 attention: f(&format!("attention{sfx}"))?,
                 attention_scores: f(&format!("attention_scores{sfx}"))?,
-                decode_mma: load_with_smem(&mma, mma_name, kernels::DECODE_MMA_SMEM)?,
+                decode_mma: load_with_smem(&mma, &mma_name, kernels::DECODE_MMA_SMEM)?,
                 prefill: prefill
                     .as_ref()
                     .map(|m| {
@@ -610,6 +623,16 @@ impl Kernels {
                             m,
                             &format!("prefill_attention{sfx}_hd{head_dim}"),
                             kernels::prefill_smem(head_dim),
+                        )
+                    })
+                    .transpose()?,
+                prefill_mma: prefill_mma
+                    .as_ref()
+                    .map(|m| {
+                        load_with_smem(
+                            m,
+                            &format!("prefill_attn_mma{}_hd{head_dim}", elem.mma_suffix()),
+                            kernels::prefill_mma_smem(head_dim, elem.bytes()),
                         )
                     })
                     .transpose()?,
@@ -1564,6 +1587,9 @@ struct Pass {
     /// Attention rounds to bf16 in prefill rows / in decode rows.
     attn_bf16: usize,
     decode_bf16: usize,
+    /// Prompt tiles go through the tensor-core prefill kernel (`attn_prefill=mma-bf16`, where
+    /// the head_dim has one).
+    prefill_mma: bool,
     /// `decode_topk`: the selection size, its scores buffer and row stride.
     topk: Option<(usize, u64, usize)>,
     /// The mma decode kernel's buffers and split geometry.
@@ -1839,6 +1865,7 @@ impl Inner {
             kv_mode,
             attn_bf16: usize::from(toggles.attention_bf16(false)),
             decode_bf16: usize::from(toggles.attention_bf16(true)),
+            prefill_mma: toggles.attn_prefill == AttnPrefill::MmaBf16,
             topk,
             mma,
             linears,
@@ -2030,9 +2057,18 @@ impl Inner {
                 let a = context(Args::new().p(att).p(q).p(kp).p(vp).p(ksc).p(vsc), rows);
                 heads(a.p(scores).i(stride), bf16).launch(s, &pk.attention, (n_rows, nh), 128)
             };
-            if let (Some(f), 1..) = (&pk.prefill, meta.n_tiles) {
-                // Prompt chunks through the tiled kernel (same arguments as `attention`, with
-                // the tile list where it takes rows and scores).
+            // Prompt chunks through a tiled kernel (same arguments as `attention`, with the
+            // tile list where it takes rows and scores): the tensor-core one, or the SIMT one.
+            let tiled = match (&pk.prefill_mma, &pk.prefill) {
+                (Some(f), _) if pass.prefill_mma => Some((
+                    f,
+                    kernels::PREFILL_MMA_THREADS,
+                    kernels::prefill_mma_smem(hd, kv.elem.bytes()),
+                )),
+                (_, Some(f)) => Some((f, 256, kernels::prefill_smem(hd))),
+                _ => None,
+            };
+            if let (Some((f, threads, smem)), 1..) = (tiled, meta.n_tiles) {
                 let a = context(
                     Args::new().p(att).p(q).p(kp).p(vp).p(ksc).p(vsc),
                     mi(meta.tiles),
@@ -2041,8 +2077,8 @@ impl Inner {
                     s,
                     f,
                     (meta.n_tiles * nkv, 1, 1),
-                    256,
-                    kernels::prefill_smem(hd),
+                    threads,
+                    smem,
                 )?;
             }
             if meta.n_simt_rows > 0 {
