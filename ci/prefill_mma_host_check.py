@@ -181,8 +181,8 @@ static void launch_pm(std::vector<float>& out, const std::vector<float>& q, cons
 // shared paged pool; returns the number of failures.
 template <int D>
 static int check(std::mt19937& rng, int heads, int kv_heads) {
-  const int group = heads / kv_heads, bs = 16, per = PM_ROWS / group;
-  std::uniform_int_distribution<int> len_d(1, 100), start_d(0, 130);
+  const int group = heads / kv_heads, bs = 16, per = PM_ROWS(D) / group;
+  std::uniform_int_distribution<int> len_d(1, 140), start_d(0, 130);
   const int nseg = 3;
   std::vector<int> lens, starts;
   for (int s = 0; s < nseg; ++s) {

@@ -32,14 +32,15 @@
 // block PM_THREADS (128), dynamic shared memory PM_SMEM_BYTES(hd, KV element bytes):
 //   f32 pool 768 * hd (hd 128: 96 KB), bf16 pool 512 * hd, FP8 pool 384 * hd + 512
 // (raise the function's MAX_DYNAMIC_SHARED_SIZE_BYTES to it first). The tile list and its rules
-// are prefill_attention.cu's (PA_ROWS = PM_ROWS = 64 rows of tokens x the group's query heads);
+// are prefill_attention.cu's, with PM_ROWS(hd) rows of tokens x the group's query heads per tile
+// instead of its PA_ROWS = 64: 128 at head_dim 64 (up to 128 / group tokens a tile), 64 at 128;
 // a launch that breaks them returns without writing anything and never reads out of bounds. K/V
 // rows below a tile's largest ctx are read, so they must be finite, as written KV is.
 //
-// Work split: warp w of the block owns rows 16w .. 16w+15 (row r = token r / group of the tile,
-// query head kvh * group + r % group), as the A operand of every mma. Each K/V tile of PM_BN
-// positions is staged once in shared memory for all 64 rows; a warp skips the tiles at or past its
-// rows' largest context (the causal corner).
+// Work split: warp w of the block owns rows 16 MT w .. 16 MT (w + 1) - 1 (row r = token r / group
+// of the tile, query head kvh * group + r % group), MT row tiles of 16 as the A operands of the
+// mma. Each K/V tile of PM_BN positions is staged once in shared memory for all the block's rows;
+// a warp skips the tiles at or past its rows' largest context (the causal corner).
 
 // The launch's dynamic shared memory in bytes (a function of its own so that the host check,
 // ci/prefill_mma_host_check.py, can stand in for it).
@@ -50,7 +51,10 @@ __device__ __forceinline__ unsigned pm_dynamic_smem_bytes() {
 }
 
 #define PM_THREADS 128
-#define PM_ROWS 64
+// Row tiles of 16 per warp: 2 at head_dim 64 (each K/V fragment read from shared memory feeds
+// two mma), 1 at 128 (two would not fit the registers); rows per block = 4 warps x 16 x MT.
+#define PM_MT(hd) ((hd) <= 64 ? 2 : 1)
+#define PM_ROWS(hd) (64 * PM_MT(hd))
 #define PM_BN 64
 // Shared memory: bf16 pools double-buffer the swizzled K and V tiles (cp.async straight into
 // them); f32 and FP8 pools stage the raw rows (one buffer, refilled while the converted copy is
@@ -154,18 +158,24 @@ __device__ __forceinline__ void convert_tile(const unsigned char* raw, unsigned 
   }
 }
 
-// One warp's 16 rows against one staged tile of PM_BN positions starting at j0: S = Q K^T,
+// One warp's 16 * MT rows against one staged tile of PM_BN positions starting at j0: S = Q K^T,
 // masking (position < ctx and != hide, per row), the online softmax update, O = O * alpha +
-// bf16(P) V. Rows g and g + 8 of the warp are this lane's (g = lane / 4).
-template <int D>
-__device__ __forceinline__ void compute_tile(unsigned sK, unsigned sV, const unsigned (&qf)[D / 16][4],
-                                             float (&o)[D / 8][4], float (&m)[2], float (&l)[2], int j0,
-                                             const int (&rctx)[2], const int (&rhide)[2], float sl2, int lane) {
+// bf16(P) V. Each K and V fragment read from shared memory feeds MT row tiles (the reuse that
+// keeps ldmatrix from being the bound). Row slot i = 2 mt + h of this lane is row g + 8 h of the
+// warp's row tile mt (g = lane / 4); every row goes through the same operations in the same order
+// whatever MT is.
+template <int D, int MT>
+__device__ __forceinline__ void compute_tile(unsigned sK, unsigned sV, const unsigned (&qf)[MT][D / 16][4],
+                                             float (&o)[MT][D / 8][4], float (&m)[2 * MT], float (&l)[2 * MT],
+                                             int j0, const int (&rctx)[2 * MT], const int (&rhide)[2 * MT], float sl2,
+                                             int lane) {
   constexpr int NT = PM_BN / 8;  // n-tiles of 8 positions
   const int c = lane & 3;
-  float s[NT][4];
+  float s[MT][NT][4];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
 
   const int prow = (lane & 7) + ((lane >> 4) << 3);
   const int pch = (lane >> 3) & 1;
@@ -175,65 +185,84 @@ __device__ __forceinline__ void compute_tile(unsigned sK, unsigned sV, const uns
     for (int nb = 0; nb < PM_BN / 16; ++nb) {
       unsigned b0, b1, b2, b3;
       da::ldsm_x4(sK + da::swz<D>(16 * nb + prow, 2 * kk + pch), b0, b1, b2, b3);
-      da::mma_bf16_16816(s[2 * nb], qf[kk], b0, b1);
-      da::mma_bf16_16816(s[2 * nb + 1], qf[kk], b2, b3);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        da::mma_bf16_16816(s[mt][2 * nb], qf[mt][kk], b0, b1);
+        da::mma_bf16_16816(s[mt][2 * nb + 1], qf[mt][kk], b2, b3);
+      }
     }
 
   const float NEG = neg_inf();
-  float mx[2] = {NEG, NEG};
+  float mx[2 * MT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+  for (int i = 0; i < 2 * MT; ++i) mx[i] = NEG;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int h = e >> 1;
-      const int pos = j0 + 8 * j + 2 * c + (e & 1);
-      s[j][e] = (pos < rctx[h] && pos != rhide[h]) ? s[j][e] * sl2 : NEG;
-      mx[h] = fmaxf(mx[h], s[j][e]);
-    }
-  float alpha[2], base[2];
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    const float mn = fmaxf(m[h], mx[h]);
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 2 * mt + (e >> 1);
+        const int pos = j0 + 8 * j + 2 * c + (e & 1);
+        s[mt][j][e] = (pos < rctx[i] && pos != rhide[i]) ? s[mt][j][e] * sl2 : NEG;
+        mx[i] = fmaxf(mx[i], s[mt][j][e]);
+      }
+  float alpha[2 * MT], base[2 * MT], ps[2 * MT];
+#pragma unroll
+  for (int i = 0; i < 2 * MT; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    const float mn = fmaxf(m[i], mx[i]);
     // Nothing unmasked yet (mn = -inf): subtract 0, so p = 2^-inf = 0 and alpha = 0 (O, l are 0).
-    base[h] = mn == NEG ? 0.f : mn;
-    alpha[h] = da::ex2(m[h] - base[h]);
-    m[h] = mn;
+    base[i] = mn == NEG ? 0.f : mn;
+    alpha[i] = da::ex2(m[i] - base[i]);
+    m[i] = mn;
+    ps[i] = 0.f;
   }
-  float ps[2] = {0.f, 0.f};
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[j][e] = da::ex2(s[j][e] - base[e >> 1]);
-      ps[e >> 1] += s[j][e];
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 2 * mt + (e >> 1);
+        s[mt][j][e] = da::ex2(s[mt][j][e] - base[i]);
+        ps[i] += s[mt][j][e];
+      }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    l[2 * mt] = l[2 * mt] * alpha[2 * mt] + ps[2 * mt];
+    l[2 * mt + 1] = l[2 * mt + 1] * alpha[2 * mt + 1] + ps[2 * mt + 1];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      o[mt][j][0] *= alpha[2 * mt];
+      o[mt][j][1] *= alpha[2 * mt];
+      o[mt][j][2] *= alpha[2 * mt + 1];
+      o[mt][j][3] *= alpha[2 * mt + 1];
     }
-  l[0] = l[0] * alpha[0] + ps[0];
-  l[1] = l[1] * alpha[1] + ps[1];
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    o[j][0] *= alpha[0];
-    o[j][1] *= alpha[0];
-    o[j][2] *= alpha[1];
-    o[j][3] *= alpha[1];
   }
 
   const int vrow = (lane & 7) + (((lane >> 3) & 1) << 3);
   const int vch = lane >> 4;
 #pragma unroll
   for (int kp = 0; kp < PM_BN / 16; ++kp) {
-    unsigned pa[4];
-    pa[0] = da::pack_bf16x2_rne(s[2 * kp][0], s[2 * kp][1]);
-    pa[1] = da::pack_bf16x2_rne(s[2 * kp][2], s[2 * kp][3]);
-    pa[2] = da::pack_bf16x2_rne(s[2 * kp + 1][0], s[2 * kp + 1][1]);
-    pa[3] = da::pack_bf16x2_rne(s[2 * kp + 1][2], s[2 * kp + 1][3]);
+    unsigned pa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      pa[mt][0] = da::pack_bf16x2_rne(s[mt][2 * kp][0], s[mt][2 * kp][1]);
+      pa[mt][1] = da::pack_bf16x2_rne(s[mt][2 * kp][2], s[mt][2 * kp][3]);
+      pa[mt][2] = da::pack_bf16x2_rne(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
+      pa[mt][3] = da::pack_bf16x2_rne(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
+    }
 #pragma unroll
     for (int jj = 0; jj < D / 16; ++jj) {
       unsigned b0, b1, b2, b3;
       da::ldsm_x4_t(sV + da::swz<D>(16 * kp + vrow, 2 * jj + vch), b0, b1, b2, b3);
-      da::mma_bf16_16816(o[2 * jj], pa, b0, b1);
-      da::mma_bf16_16816(o[2 * jj + 1], pa, b2, b3);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        da::mma_bf16_16816(o[mt][2 * jj], pa[mt], b0, b1);
+        da::mma_bf16_16816(o[mt][2 * jj + 1], pa[mt], b2, b3);
+      }
     }
   }
 }
@@ -247,6 +276,7 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
                                         const int* __restrict__ tiles, int heads, int kv_heads, int hd, int bs,
                                         float scale, unsigned char* smem) {
   typedef Geo<T, D> G;
+  constexpr int MT = PM_MT(D), ROWS = PM_ROWS(D);
   __shared__ int s_kv_end;
 
   if (hd != D || blockDim.x != PM_THREADS || kv_heads <= 0 || heads % kv_heads != 0 || bs <= 0) return;
@@ -254,7 +284,7 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
   const int group = heads / kv_heads;
   const int tile = blockIdx.x / kv_heads, kvh = blockIdx.x % kv_heads;
   const int t0 = tiles[2 * tile], count = tiles[2 * tile + 1];
-  if (group > PM_ROWS || count < 1 || count > PM_ROWS / group) return;  // uniform over the block
+  if (group > ROWS || count < 1 || count > ROWS / group) return;  // uniform over the block
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
@@ -262,39 +292,44 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
   const int* table = tables + (size_t)seg[t0] * max_blocks;
   if (threadIdx.x == 0) s_kv_end = 0;
 
-  // This lane's two rows: their token (or none), context and hidden position, and Q fragments.
-  int rtok[2], rctx[2], rhide[2];
-  const float* qrow[2];
+  // This lane's row slots (see compute_tile): their token (or none), context and hidden position,
+  // and the Q fragments of the warp's row tiles.
+  int rtok[2 * MT], rctx[2 * MT], rhide[2 * MT];
+  const float* qrow[2 * MT];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = 16 * warp + g + 8 * h, tl = r / group;
+  for (int i = 0; i < 2 * MT; ++i) {
+    const int r = 16 * MT * warp + 16 * (i >> 1) + g + 8 * (i & 1), tl = r / group;
     const bool ok = tl < count;
-    rtok[h] = ok ? t0 + tl : -1;
-    rctx[h] = ok ? ctx[t0 + tl] : 0;
-    rhide[h] = ok ? hide[t0 + tl] : -1;
-    qrow[h] = q + ((size_t)(ok ? t0 + tl : 0) * heads + kvh * group + r % group) * D;
+    rtok[i] = ok ? t0 + tl : -1;
+    rctx[i] = ok ? ctx[t0 + tl] : 0;
+    rhide[i] = ok ? hide[t0 + tl] : -1;
+    qrow[i] = q + ((size_t)(ok ? t0 + tl : 0) * heads + kvh * group + r % group) * D;
   }
-  unsigned qf[D / 16][4];
+  unsigned qf[MT][D / 16][4];
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const int d0 = kk * 16 + 2 * c;
-    float2 a = make_float2(0.f, 0.f), a8 = a, b = a, b8 = a;
-    if (rtok[0] >= 0) {
-      a = *reinterpret_cast<const float2*>(qrow[0] + d0);
-      a8 = *reinterpret_cast<const float2*>(qrow[0] + d0 + 8);
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int d0 = kk * 16 + 2 * c;
+      float2 a = make_float2(0.f, 0.f), a8 = a, b = a, b8 = a;
+      if (rtok[2 * mt] >= 0) {
+        a = *reinterpret_cast<const float2*>(qrow[2 * mt] + d0);
+        a8 = *reinterpret_cast<const float2*>(qrow[2 * mt] + d0 + 8);
+      }
+      if (rtok[2 * mt + 1] >= 0) {
+        b = *reinterpret_cast<const float2*>(qrow[2 * mt + 1] + d0);
+        b8 = *reinterpret_cast<const float2*>(qrow[2 * mt + 1] + d0 + 8);
+      }
+      qf[mt][kk][0] = da::pack_bf16x2_rne(a.x, a.y);
+      qf[mt][kk][1] = da::pack_bf16x2_rne(b.x, b.y);
+      qf[mt][kk][2] = da::pack_bf16x2_rne(a8.x, a8.y);
+      qf[mt][kk][3] = da::pack_bf16x2_rne(b8.x, b8.y);
     }
-    if (rtok[1] >= 0) {
-      b = *reinterpret_cast<const float2*>(qrow[1] + d0);
-      b8 = *reinterpret_cast<const float2*>(qrow[1] + d0 + 8);
-    }
-    qf[kk][0] = da::pack_bf16x2_rne(a.x, a.y);
-    qf[kk][1] = da::pack_bf16x2_rne(b.x, b.y);
-    qf[kk][2] = da::pack_bf16x2_rne(a8.x, a8.y);
-    qf[kk][3] = da::pack_bf16x2_rne(b8.x, b8.y);
-  }
   // The warp's largest context (it skips tiles at or past it) and the block's (no position at or
   // past it is read).
-  int wmax = max(rctx[0], rctx[1]);
+  int wmax = 0;
+#pragma unroll
+  for (int i = 0; i < 2 * MT; ++i) wmax = max(wmax, rctx[i]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
   __syncthreads();
@@ -303,10 +338,17 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
   const int kv_end = s_kv_end;
   const int ntiles = (kv_end + PM_BN - 1) / PM_BN;
 
-  float o[D / 8][4];
+  float o[MT][D / 8][4];
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+  float m[2 * MT], l[2 * MT];
+#pragma unroll
+  for (int i = 0; i < 2 * MT; ++i) {
+    m[i] = neg_inf();
+    l[i] = 0.f;
+  }
   const float sl2 = scale * 1.4426950408889634f;
   const unsigned sbase = da::smem_u32(smem);
 
@@ -330,26 +372,27 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
       if (it + 1 < ntiles) issue_tile<T, D>(sbase, kp, vp, ks, vs, table, j0 + PM_BN, kv_end, bs, kv_dim, kvh);
     }
     da::cp_async_commit();
-    if (j0 < wmax) compute_tile<D>(sK, sK + G::TILE, qf, o, m, l, j0, rctx, rhide, sl2, lane);
+    if (j0 < wmax) compute_tile<D, MT>(sK, sK + G::TILE, qf, o, m, l, j0, rctx, rhide, sl2, lane);
   }
   da::cp_async_wait<0>();
 
   // Row sums over the quad that shares a row; a row with nothing unmasked gives 0 * inf = NaN, as
   // in `attention`.
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  for (int i = 0; i < 2 * MT; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
   }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (rtok[h] < 0) continue;
-    const float inv = 1.0f / l[h];
-    const int r = 16 * warp + g + 8 * h;
-    float* orow = out + ((size_t)rtok[h] * heads + kvh * group + r % group) * D + 2 * c;
+  for (int i = 0; i < 2 * MT; ++i) {
+    if (rtok[i] < 0) continue;
+    const float inv = 1.0f / l[i];
+    const int r = 16 * MT * warp + 16 * (i >> 1) + g + 8 * (i & 1), h = i & 1;
+    float* orow = out + ((size_t)rtok[i] * heads + kvh * group + r % group) * D + 2 * c;
 #pragma unroll
     for (int j = 0; j < D / 8; ++j)
-      *reinterpret_cast<float2*>(orow + 8 * j) = make_float2(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+      *reinterpret_cast<float2*>(orow + 8 * j) =
+          make_float2(o[i >> 1][j][2 * h] * inv, o[i >> 1][j][2 * h + 1] * inv);
   }
 }
 

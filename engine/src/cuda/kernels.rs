@@ -126,6 +126,16 @@ pub const PREFILL_MMA: KernelSource = KernelSource {
 /// Threads per block of the tensor-core prefill kernel (its `PM_THREADS`).
 pub const PREFILL_MMA_THREADS: usize = 128;
 
+/// Rows (tile tokens × query heads per KV head) of one tile of the tensor-core prefill kernel
+/// (its `PM_ROWS(hd)`): two row tiles of 16 per warp at head_dim 64, one at 128.
+pub fn prefill_mma_rows(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        128
+    } else {
+        64
+    }
+}
+
 /// Dynamic shared memory of the tensor-core prefill kernel for `head_dim` over a pool of
 /// `elem_bytes`-byte elements (its `PM_SMEM_BYTES(hd, es)`): bf16 pools double-buffer the bf16
 /// K/V tiles of 64 positions, f32 and FP8 pools stage one raw tile (and FP8 its scales) beside

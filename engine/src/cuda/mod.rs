@@ -1588,7 +1588,7 @@ struct Pass {
     attn_bf16: usize,
     decode_bf16: usize,
     /// Prompt tiles go through the tensor-core prefill kernel (`attn_prefill=mma-bf16`, where
-    /// the head_dim has one).
+    /// the head_dim has one); the tile list was cut for it.
     prefill_mma: bool,
     /// `decode_topk`: the selection size, its scores buffer and row stride.
     topk: Option<(usize, u64, usize)>,
@@ -1657,13 +1657,16 @@ impl Inner {
         pad: Option<Pad>,
         kv: &DeviceKv,
     ) -> Result<Pass> {
-        let tile_tokens = self
-            .gpu
-            .k
-            .pool(kv.elem)
-            .prefill
-            .as_ref()
-            .map(|_| kernels::PREFILL_ROWS / (cfg.num_heads / cfg.num_kv_heads))
+        // Tokens per prefill tile: the tiled kernel that will run decides.
+        let pk = self.gpu.k.pool(kv.elem);
+        let prefill_mma = toggles.attn_prefill == AttnPrefill::MmaBf16 && pk.prefill_mma.is_some();
+        let tile_rows = if prefill_mma {
+            Some(kernels::prefill_mma_rows(cfg.head_dim))
+        } else {
+            pk.prefill.as_ref().map(|_| kernels::PREFILL_ROWS)
+        };
+        let tile_tokens = tile_rows
+            .map(|rows| rows / (cfg.num_heads / cfg.num_kv_heads))
             .filter(|&t| t > 0);
         let meta = build_meta(segs, where_, bs, cfg.vocab_size, toggles, pad, tile_tokens);
         let rows = meta.rows;
@@ -1865,7 +1868,7 @@ impl Inner {
             kv_mode,
             attn_bf16: usize::from(toggles.attention_bf16(false)),
             decode_bf16: usize::from(toggles.attention_bf16(true)),
-            prefill_mma: toggles.attn_prefill == AttnPrefill::MmaBf16,
+            prefill_mma,
             topk,
             mma,
             linears,
