@@ -107,10 +107,12 @@ if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then
       --concurrency "${LLAMA1B_CONC:-1,16,64}" --turns 0 --kv-budget-mib 8192 2>&1 | tee -a "$out/bench-llama-1b.log"
   done
   [ "${EXTRAS:-1}" = 1 ] && {
-  echo "== llama-1b prefill at 8k tokens (bf16 GEMMs, tiled f32 attention)"
-  timeout 240 "$td" bench engine --device cuda --model llama-1b --toggle matmul=bf16 \
-    --prompt-len 8192 --gen 4 --concurrency 1 --turns 0 --kv-budget-mib 8192 2>&1 \
-    | tee -a "$out/bench-llama-1b.log"
+  echo "== llama-1b prefill at 8k tokens (bf16 GEMMs, tiled f32 attention, then tensor-core attention)"
+  for pf in simt-f32 mma-bf16; do
+    timeout 240 "$td" bench engine --device cuda --model llama-1b --toggle matmul=bf16 \
+      --toggle attn_prefill=$pf --prompt-len 8192 --gen 4 --concurrency 1 --turns 0 \
+      --kv-budget-mib 8192 2>&1 | tee -a "$out/bench-llama-1b.log"
+  done
   serve_check "$HOME/.cache/tapedeck/bench/llama-1b"
   }
   # PROFILE=1: where a batch-1 decode step's time goes, per kernel (Nsight Compute's duration of
