@@ -138,6 +138,27 @@ static void launch(dim3 grid, unsigned threads, const std::function<void()>& f) 
 }
 """
 
+# Host stand-ins for the PTX the tensor-core kernels stage tiles with, over a byte array `g_smem`
+# that the including code declares (shared-memory "addresses" are offsets into it): cp.async
+# copies at once (src-size 0 zero-fills, as on the GPU), cvt.rn.bf16x2.f32 rounds to nearest even.
+SMEM_COPIES = r"""
+static void cp_async16(unsigned dst, const void* src, int n) {
+  memset(g_smem + dst, 0, 16);
+  if (n) memcpy(g_smem + dst, src, 16);
+}
+static void cp_async4(unsigned dst, const void* src, int n) {
+  memset(g_smem + dst, 0, 4);
+  if (n) memcpy(g_smem + dst, src, 4);
+}
+// cvt.rn.bf16x2.f32: round to nearest even, NaN kept a (quiet) NaN.
+static unsigned bf16_rne(float x) {
+  unsigned b = __float_as_uint(x);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u;
+  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+static unsigned pack_bf16x2_rne(float lo, float hi) { return bf16_rne(lo) | (bf16_rne(hi) << 16); }
+"""
+
 
 def run(code, label):
     """Compiles `code` (after PRELUDE) with g++ and runs it; exits with its status."""

@@ -18,7 +18,7 @@ every code; the GPU test
 """
 import re
 
-from cuda_host import cut, run, source
+from cuda_host import SMEM_COPIES, cut, run, source
 
 mma = source("decode_attention_mma.cu")
 eng = source("engine.cu")
@@ -32,21 +32,7 @@ STAGING = r"""
 #define DA_SMEM_BYTES 65536
 #define DA_WARPS 4
 static unsigned char* g_smem;
-static void cp_async16(unsigned dst, const void* src, int n) {
-  memset(g_smem + dst, 0, 16);
-  if (n) memcpy(g_smem + dst, src, 16);
-}
-static void cp_async4(unsigned dst, const void* src, int n) {
-  memset(g_smem + dst, 0, 4);
-  if (n) memcpy(g_smem + dst, src, 4);
-}
-// cvt.rn.bf16x2.f32: round to nearest even, NaN kept a (quiet) NaN.
-static unsigned bf16_rne(float x) {
-  unsigned b = __float_as_uint(x);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u;
-  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-}
-static unsigned pack_bf16x2_rne(float lo, float hi) { return bf16_rne(lo) | (bf16_rne(hi) << 16); }
+SMEM_COPIES
 """
 
 MAIN = r"""
@@ -144,4 +130,4 @@ int main() {
 
 # engine.cu's fp8_e4m3_value is defined between round_fp8_e4m3 and fp8_store, so it is in FP8_CODE.
 code = MAIN.replace("FP8_CODE", fp8).replace("PREFILL_FP8", prefill_fp8).replace("TILE_CODE", tiles)
-run(STAGING + code, "mma_tile_host_check")
+run(STAGING.replace("SMEM_COPIES", SMEM_COPIES) + code, "mma_tile_host_check")

@@ -23,7 +23,7 @@ does that. A layout mistake (a swapped fragment half, a wrong swizzle, a skipped
 
     python3 ci/prefill_mma_host_check.py     # needs g++ (C++20)
 """
-from cuda_host import cut, run, source
+from cuda_host import SMEM_COPIES, cut, run, source
 
 mma = source("decode_attention_mma.cu")
 pm_src = source("prefill_attention_mma.cu")
@@ -53,21 +53,7 @@ static unsigned char* g_smem;  // the block's dynamic shared memory; "shared add
 static float neg_inf() { return -INFINITY; }
 static unsigned smem_u32(const void* p) { return (unsigned)((const unsigned char*)p - g_smem); }
 static float ex2(float x) { return std::exp2(x); }
-// cvt.rn.bf16x2.f32: round to nearest even, NaN kept a (quiet) NaN.
-static unsigned bf16_rne(float x) {
-  unsigned b = __float_as_uint(x);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u;
-  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-}
-static unsigned pack_bf16x2_rne(float lo, float hi) { return bf16_rne(lo) | (bf16_rne(hi) << 16); }
-static void cp_async16(unsigned dst, const void* src, int n) {
-  memset(g_smem + dst, 0, 16);
-  if (n) memcpy(g_smem + dst, src, 16);
-}
-static void cp_async4(unsigned dst, const void* src, int n) {
-  memset(g_smem + dst, 0, 4);
-  if (n) memcpy(g_smem + dst, src, 4);
-}
+SMEM_COPIES
 static void cp_async_commit() {}
 template <int N>
 static void cp_async_wait() {}
@@ -307,7 +293,8 @@ int main() {
 """
 
 code = (
-    HOST_PTX.replace("FP8_CODE", fp8).replace("SWZ", swz).replace("FP8_SCALED", fp8_scaled)
+    HOST_PTX.replace("SMEM_COPIES", SMEM_COPIES)
+    .replace("FP8_CODE", fp8).replace("SWZ", swz).replace("FP8_SCALED", fp8_scaled)
     + kernel
     + MAIN
 )

@@ -666,12 +666,11 @@ fn cuda_mma_bf16_decode_kernel_on_head_dim_64_and_128() {
     // the SIMT kernel with bf16 roundings). Build two small models whose heads the mma kernel does
     // take, GQA 8/2 and 4/1, and check its decode steps against the CPU's emulation of the same
     // roundings, and that it moves the logits like the emulation does.
-    if let Err(e) = probe() {
-        println!("SKIPPED: no usable GPU here ({e})");
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
-    for (hd, cpu, gpu) in mma_models(dir.path()) {
+    let Some(models) = mma_models(dir.path()) else {
+        return;
+    };
+    for (hd, cpu, gpu) in models {
         let mut r = rng();
         // Long enough for several splits; decode steps cross block boundaries.
         let p = tokens(&cpu, r.random_range(600..1500), &mut r);
@@ -695,9 +694,14 @@ fn cuda_mma_bf16_decode_kernel_on_head_dim_64_and_128() {
 
 /// Two small models whose heads the tensor-core kernels take (the fixtures have head_dim 32,
 /// for which they fall back to the SIMT kernels with bf16 roundings): GQA 8/2 at head_dim 64 and
-/// 4/1 at 128, two layers, built in `dir`.
-fn mma_models(dir: &Path) -> Vec<(usize, Engine, Engine)> {
-    [(64usize, 8usize, 2usize), (128, 4, 1)]
+/// 4/1 at 128, two layers, built in `dir`, each loaded on the CPU and the GPU (`None`, after
+/// saying so, where no GPU can run them).
+fn mma_models(dir: &Path) -> Option<Vec<(usize, Engine, Engine)>> {
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return None;
+    }
+    let models = [(64usize, 8usize, 2usize), (128, 4, 1)]
         .into_iter()
         .map(|(hd, heads, kv)| {
             let mut spec = tapedeck_engine::fixture::FixtureSpec::tiny_llama();
@@ -721,7 +725,8 @@ fn mma_models(dir: &Path) -> Vec<(usize, Engine, Engine)> {
             };
             (hd, load(Device::Cpu), load(Device::Cuda(0)))
         })
-        .collect()
+        .collect();
+    Some(models)
 }
 
 #[test]
@@ -731,12 +736,11 @@ fn cuda_mma_bf16_prefill_kernel_on_head_dim_64_and_128() {
     // tiles, K/V tiles that straddle a chunk start, one-token chunks when the length says so),
     // then decode steps on the KV it wrote. And it must move the logits: a kernel that silently
     // fell back to f32 would pass the bound alone.
-    if let Err(e) = probe() {
-        println!("SKIPPED: no usable GPU here ({e})");
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
-    for (hd, cpu, gpu) in mma_models(dir.path()) {
+    let Some(models) = mma_models(dir.path()) else {
+        return;
+    };
+    for (hd, cpu, gpu) in models {
         let mut r = rng();
         for kv in ["f32", "bf16", "fp8-e4m3"] {
             let p = tokens(&cpu, r.random_range(600..1500), &mut r);
