@@ -8,8 +8,8 @@ namespace out of the source and compiles it with g++ against host versions of th
 written from the PTX ISA's fragment layouts (a warp's lanes exchange their registers through
 cuda_host.py's per-warp buffer, each lane then computes its own elements; the mma sums in
 float64, ex2 is exp2f, cp.async copies at once). It then runs prompt chunks of random lengths
-over paged pools with shuffled block tables, for head_dim 64 and 128 and GQA groups 4 and 7
-(padded rows), with hidden positions and one-token chunks, and checks:
+over paged pools with shuffled block tables, for head_dim 64 and 128, GQA groups 1, 4, 7 (padded
+rows) and 16, block sizes 7, 16 and 32, with hidden positions and one-token chunks, and checks:
 
   * against a float64 attention over the same bf16-rounded q, K and V (p left unrounded): every
     row within 1e-2 relative L2 (bf16 p and the running max cost a few 1e-3), and rows outside
@@ -166,8 +166,8 @@ static void launch_pm(std::vector<float>& out, const std::vector<float>& q, cons
 // One batch: segments (prompt chunks) of random lengths at random starting positions over a
 // shared paged pool; returns the number of failures.
 template <int D>
-static int check(std::mt19937& rng, int heads, int kv_heads) {
-  const int group = heads / kv_heads, bs = 16, per = PM_ROWS(D) / group;
+static int check(std::mt19937& rng, int heads, int kv_heads, int bs) {
+  const int group = heads / kv_heads, per = PM_ROWS(D) / group;
   std::uniform_int_distribution<int> len_d(1, 140), start_d(0, 130);
   const int nseg = 3;
   std::vector<int> lens, starts;
@@ -274,9 +274,9 @@ static int check(std::mt19937& rng, int heads, int kv_heads) {
       }
       worst = std::max(worst, std::isnan(err) ? INFINITY : err);
     }
-  printf("head_dim %3d, heads %2d/%d, chunks of %3d/%3d/%d tokens at %3d/%3d/%3d, %2zu tiles: worst rel L2 %.2e "
+  printf("head_dim %3d, heads %2d/%d, bs %2d, chunks of %3d/%3d/%d tokens at %3d/%3d/%3d, %2zu tiles: worst rel L2 %.2e "
          "(bound 1e-2); bf16 pool %s, FP8 pool %s the f32 pool's bits\n",
-         D, heads, kv_heads, lens[0], lens[1], lens[2], starts[0], starts[1], starts[2], tiles.size() / 2, worst,
+         D, heads, kv_heads, bs, lens[0], lens[1], lens[2], starts[0], starts[1], starts[2], tiles.size() / 2, worst,
          diff16 ? "DIFFERS FROM" : "gives", diff8 ? "DIFFERS FROM" : "gives");
   return fails + (diff16 != 0) + (diff8 != 0);
 }
@@ -284,9 +284,11 @@ static int check(std::mt19937& rng, int heads, int kv_heads) {
 int main() {
   std::mt19937 rng(std::random_device{}());
   int fails = 0;
-  fails += check<64>(rng, 8, 2);
-  fails += check<64>(rng, 14, 2);
-  fails += check<128>(rng, 4, 1);
+  fails += check<64>(rng, 8, 2, 16);
+  fails += check<64>(rng, 14, 2, 16);  // group 7: 18 tokens a tile, two padded rows
+  fails += check<64>(rng, 4, 4, 32);   // group 1
+  fails += check<128>(rng, 4, 1, 16);
+  fails += check<128>(rng, 16, 1, 7);  // group 16, an odd block size
   printf("%s\n", fails ? "FAILED" : "ok");
   return fails ? 1 : 0;
 }
