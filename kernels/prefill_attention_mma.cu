@@ -406,18 +406,33 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
   float *out, const float *q, const KV *k_pool, const KV *v_pool, const float *k_scale, const float *v_scale, \
       const int *tables, int max_blocks, const int *seg, const int *ctx, const int *hide, const int *tiles,   \
       int heads, int kv_heads, int hd, int bs, float scale, int bf16
-#define PM_ENTRY(NAME, KV, HD)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(PM_THREADS) NAME(PM_ARGS(KV)) {                                \
-    TD_SCOPE(#NAME);                                                                                           \
-    extern __shared__ __align__(16) unsigned char pm_smem[];                                                    \
-    (void)bf16;                                                                                                \
-    pm::prefill<KV, HD>(out, q, k_pool, v_pool, k_scale, v_scale, tables, max_blocks, seg, ctx, hide, tiles, \
-                        heads, kv_heads, hd, bs, scale, pm_smem);                                             \
-  }
+#define PM_CALL(KV, HD)                                                                                       \
+  extern __shared__ __align__(16) unsigned char pm_smem[];                                                    \
+  (void)bf16;                                                                                                \
+  pm::prefill<KV, HD>(out, q, k_pool, v_pool, k_scale, v_scale, tables, max_blocks, seg, ctx, hide, tiles,   \
+                      heads, kv_heads, hd, bs, scale, pm_smem)
 
-PM_ENTRY(prefill_attn_mma_f32kv_hd64, float, 64)
-PM_ENTRY(prefill_attn_mma_f32kv_hd128, float, 128)
-PM_ENTRY(prefill_attn_mma_bf16kv_hd64, unsigned short, 64)
-PM_ENTRY(prefill_attn_mma_bf16kv_hd128, unsigned short, 128)
-PM_ENTRY(prefill_attn_mma_fp8kv_hd64, unsigned char, 64)
-PM_ENTRY(prefill_attn_mma_fp8kv_hd128, unsigned char, 128)
+extern "C" __global__ void __launch_bounds__(PM_THREADS) prefill_attn_mma_f32kv_hd64(PM_ARGS(float)) {
+  TD_SCOPE("prefill_attn_mma_f32kv_hd64");
+  PM_CALL(float, 64);
+}
+extern "C" __global__ void __launch_bounds__(PM_THREADS) prefill_attn_mma_f32kv_hd128(PM_ARGS(float)) {
+  TD_SCOPE("prefill_attn_mma_f32kv_hd128");
+  PM_CALL(float, 128);
+}
+extern "C" __global__ void __launch_bounds__(PM_THREADS) prefill_attn_mma_bf16kv_hd64(PM_ARGS(unsigned short)) {
+  TD_SCOPE("prefill_attn_mma_bf16kv_hd64");
+  PM_CALL(unsigned short, 64);
+}
+extern "C" __global__ void __launch_bounds__(PM_THREADS) prefill_attn_mma_bf16kv_hd128(PM_ARGS(unsigned short)) {
+  TD_SCOPE("prefill_attn_mma_bf16kv_hd128");
+  PM_CALL(unsigned short, 128);
+}
+extern "C" __global__ void __launch_bounds__(PM_THREADS) prefill_attn_mma_fp8kv_hd64(PM_ARGS(unsigned char)) {
+  TD_SCOPE("prefill_attn_mma_fp8kv_hd64");
+  PM_CALL(unsigned char, 64);
+}
+extern "C" __global__ void __launch_bounds__(PM_THREADS) prefill_attn_mma_fp8kv_hd128(PM_ARGS(unsigned char)) {
+  TD_SCOPE("prefill_attn_mma_fp8kv_hd128");
+  PM_CALL(unsigned char, 128);
+}
