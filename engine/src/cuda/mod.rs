@@ -2062,14 +2062,16 @@ impl Inner {
             };
             // Prompt chunks through a tiled kernel (same arguments as `attention`, with the
             // tile list where it takes rows and scores): the tensor-core one, or the SIMT one.
-            let tiled = match (&pk.prefill_mma, &pk.prefill) {
-                (Some(f), _) if pass.prefill_mma => Some((
-                    f,
-                    kernels::PREFILL_MMA_THREADS,
-                    kernels::prefill_mma_smem(hd, kv.elem.bytes()),
-                )),
-                (_, Some(f)) => Some((f, 256, kernels::prefill_smem(hd))),
-                _ => None,
+            // (`pass.prefill_mma` was decided, and the tile list cut, where the kernel exists.)
+            let tiled = if pass.prefill_mma {
+                pk.prefill_mma.as_ref().map(|f| {
+                    let smem = kernels::prefill_mma_smem(hd, kv.elem.bytes());
+                    (f, kernels::PREFILL_MMA_THREADS, smem)
+                })
+            } else {
+                pk.prefill
+                    .as_ref()
+                    .map(|f| (f, 256, kernels::prefill_smem(hd)))
             };
             if let (Some((f, threads, smem)), 1..) = (tiled, meta.n_tiles) {
                 let a = context(
