@@ -24,9 +24,10 @@
 //                dynamic shared memory DA_SMEM_BYTES (65536; raise the function's
 //                MAX_DYNAMIC_SHARED_SIZE_BYTES attribute to it first).
 //   combine:     grid (num_heads, num_seqs), block 256 threads, no dynamic shared memory.
-//                Launch it after the mma kernel unless `done` is given (it writes out[] for len == 0 and for
-//                sequences that needed more than one split; single-split sequences are written by
-//                the mma kernel directly and the combine kernel leaves them alone).
+//                Launch it after the mma kernel unless `done` is given or max_splits == 1 (it writes
+//                out[] for len == 0 and for sequences that needed more than one split; single-split
+//                sequences are written by the mma kernel directly and the combine kernel leaves them
+//                alone; with max_splits == 1 the mma kernel also writes the zeros of len == 0).
 // Requirements: head_dim in {64, 128}; num_heads % num_kv_heads == 0 and
 //   num_heads / num_kv_heads <= 16; block_size a multiple of 16; split_len a multiple of 16;
 //   ceil(context_len / split_len) <= max_splits for every sequence. Shapes outside these are
@@ -660,9 +661,17 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
   else
     return;
   if (DA_TRIGGER_LATE) da::pdl_trigger();
-  if (!done || nkv <= 0 || nh % nkv != 0 || split_len <= 0) return;
+  if (nkv <= 0 || nh % nkv != 0 || split_len <= 0) return;
   const int group = nh / nkv;
   const int len = context_lens[seq];
+  // One split and no combine launch after it (the host leaves it out): an empty context's zeros
+  // are written here, as decode_attn_combine would.
+  if (!done && max_splits == 1 && len <= 0 && split == 0 && group <= 16) {
+    for (int i = threadIdx.x; i < group * head_dim; i += DA_THREADS)
+      out[((size_t)seq * nh + (size_t)kvh * group) * head_dim + i] = 0.f;
+    return;
+  }
+  if (!done) return;
   if (len <= 0) {  // no split ran: the first block writes the zeros decode_attn_combine would
     if (split == 0)
       for (int j = 0; j < group; j++)

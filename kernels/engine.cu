@@ -356,12 +356,27 @@ extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
 __device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
 
+// 1: weight loads carry an L2 evict-first policy, so the ~2.5 GB of weights a step streams do
+// not push the KV cache, the activations and the logits out of L2 (a sweep knob:
+// TAPEDECK_NVRTC_DEFINES=GEMV_L2_EVICT_FIRST=1). 0: the default L2 policy.
+#ifndef GEMV_L2_EVICT_FIRST
+#define GEMV_L2_EVICT_FIRST 0
+#endif
+
 // 16 bytes of weights that are read once: not kept in L1 (the inputs are).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
     uint4 r;
+#if GEMV_L2_EVICT_FIRST && __CUDA_ARCH__ >= 800
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p), "l"(policy));
+#else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                  : "l"(p));
+#endif
     return r;
 }
 
@@ -700,6 +715,168 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) g
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_4(SWIGLU_PARAMS) {
     TD_SCOPE("gemv_bf16_swiglu_4");
     swiglu_kernel<4>(SWIGLU_ARGS);
+}
+
+// ---- Streaming GEMV for one input row (TAPEDECK_GEMV_STREAM) ----
+//
+// The GEMV kernels above give each block one group of rows: a block issues its weight loads, waits
+// for them, sums and exits, and the next block on that SM only then issues its own. With a few
+// waves per launch (gate/up: 1024 blocks, 264 resident on an H100) the blocks move in step, and
+// each SM's memory pipe drains at every wave's end: the kernel trace of the thirteenth/fourteenth
+// sessions shows gate/up and down at 2.0-2.3 TB/s in the step while the head GEMV (40 waves) holds
+// 3.15 TB/s. Here a grid of a few blocks per SM stays resident and every warp streams its rows
+// through a ring of GEMV_STREAM_DEPTH register buffers: a unit's loads are issued as soon as the
+// unit DEPTH places earlier is summed, so DEPTH - 1 units stay in flight while one is summed, with
+// no gap between rows. A unit is one warp's slice of one weight row (at most 2048 inputs, 8
+// 16-byte chunks per lane); a task is one output feature: its `per` units in slice order (the
+// GEMV's splits) or gate then up (SwiGLU). Each unit is summed exactly as gemv_row sums a slice
+// (lane chunks lane + 32 u in order, then warp_sum) and the slices are added in order, so the
+// results are the other kernels' bits. Warp w of the grid takes tasks w, w + warps, ...
+#ifndef GEMV_STREAM_DEPTH
+#define GEMV_STREAM_DEPTH 3
+#endif
+// Blocks per SM the streaming entry points are compiled to fit (__launch_bounds__ minimum).
+#ifndef GEMV_STREAM_MIN_BLOCKS
+#define GEMV_STREAM_MIN_BLOCKS 2
+#endif
+
+// The chunks of this lane of one unit (16-byte chunks lane + 32 u of `chunks`), zero past the end.
+__device__ __forceinline__ void stream_load(const bf16_t* w, int chunks, int lane,
+                                            uint4 b[GEMV_PRE]) {
+    const uint4* wr = (const uint4*)w;
+#pragma unroll
+    for (int u = 0; u < GEMV_PRE; u++) {
+        int c = lane + 32 * u;
+        b[u] = c < chunks ? load_stream(wr + c) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// Streams this warp's units: `tasks` tasks of `per` units each, unit j of task i being
+// unit_w(i, j) (its weights: `len` inputs, applied to x from input j * k_step: the slices of one
+// row, or the same x for every unit), summed into done(i, j, sum). The first DEPTH units are requested before the PDL wait (weights only), then `ready()`
+// returns x once the previous kernel is done.
+template <bool XF32, typename UnitW, typename Ready, typename Done>
+__device__ __forceinline__ void stream_units(int tasks, int per, int in, int len, int k_step,
+                                             int lane, UnitW unit_w, Ready ready, Done done) {
+    constexpr int D = GEMV_STREAM_DEPTH;
+    const int units = tasks * per, chunks = len / 8;
+    uint4 buf[D][GEMV_PRE];
+#pragma unroll
+    for (int d = 0; d < D; d++) {
+        if (d < units) stream_load(unit_w(d / per, d % per), chunks, lane, buf[d]);
+    }
+    const void* x = ready();
+    for (int base = 0; base < units; base += D) {
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            int u = base + d;
+            if (u < units) {
+                int i = u / per, j = u - i * per;
+                float acc[1] = {0.0f};
+#pragma unroll
+                for (int v = 0; v < GEMV_PRE; v++) {
+                    int c = lane + 32 * v;
+                    if (c < chunks) gemv_chunk<1, XF32>(buf[d][v], x, in, j * k_step, c, acc);
+                }
+                int next = u + D;
+                if (next < units) stream_load(unit_w(next / per, next % per), chunks, lane, buf[d]);
+                done(i, j, warp_sum(acc[0]));
+            }
+        }
+    }
+}
+
+// gemv_bf16_1's computation (same arguments, same bits) for slices of at most 2048 inputs
+// (in / splits <= 2048), on any grid: warps of the grid take output features in turn.
+// grid (a few blocks per SM), block 32 * GEMV_WARPS.
+__device__ __forceinline__ void gemv_stream_kernel(GemvInput input, int in, int splits, int add,
+                                                   const bf16_t* w0, const float* b0, float* y0,
+                                                   int out0, const bf16_t* w1, const float* b1,
+                                                   float* y1, int out1, const bf16_t* w2,
+                                                   const float* b2, float* y2, int out2) {
+    int lane = threadIdx.x & 31;
+    int gw = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), warps = gridDim.x * GEMV_WARPS;
+    int total = out0 + out1 + out2, len = in / splits;
+    if (len > 32 * 8 * GEMV_PRE) return;  // the host never launches it so
+    int tasks = gw < total ? (total - 1 - gw) / warps + 1 : 0;
+    // Task i of this warp: output feature gw + i * warps of the concatenated matrices.
+    auto locate = [&](int i, const bf16_t** w, const float** b, float** y, int* out, int* row) {
+        int r = gw + i * warps;
+        if (r < out0) {
+            *w = w0, *b = b0, *y = y0, *out = out0, *row = r;
+        } else if (r < out0 + out1) {
+            *w = w1, *b = b1, *y = y1, *out = out1, *row = r - out0;
+        } else {
+            *w = w2, *b = b2, *y = y2, *out = out2, *row = r - out0 - out1;
+        }
+    };
+    auto unit_w = [&](int i, int j) {
+        const bf16_t* w;
+        const float* b;
+        float* y;
+        int out, row;
+        locate(i, &w, &b, &y, &out, &row);
+        return w + (size_t)row * in + (size_t)j * len;
+    };
+    int x_f32 = 0;
+    // Every warp of the block must reach the norm prologue's barriers, with or without tasks.
+    auto ready = [&]() {
+        pdl_launch_dependents();
+        pdl_wait();
+        return input(1, in, &x_f32);
+    };
+    float sum = 0.0f;
+    auto done = [&](int i, int j, float s) {
+        sum = j == 0 ? s : sum + s;
+        if (j == splits - 1) {
+            const bf16_t* w;
+            const float* b;
+            float* y;
+            int out, row;
+            locate(i, &w, &b, &y, &out, &row);
+            float acc[1] = {sum};
+            gemv_store<1>(acc, b, y, out, row, add, lane);
+        }
+    };
+    // Input rows read as f32 and rounded, or bf16 bits (also the normalized rows in shared memory).
+    if (input.norm_w || !input.x_f32)
+        stream_units<false>(tasks, splits, in, len, len, lane, unit_w, ready, done);
+    else
+        stream_units<true>(tasks, splits, in, len, len, lane, unit_w, ready, done);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_STREAM_MIN_BLOCKS) gemv_stream_bf16_1(GEMV_PARAMS) {
+    TD_SCOPE("gemv_stream_bf16_1");
+    gemv_stream_kernel(GEMV_ARGS);
+}
+
+// gemv_bf16_swiglu_1's computation (same arguments, same bits) for in <= 2048, on any grid: each
+// warp's tasks are output features, each two units (the gate row, then the up row).
+// grid (a few blocks per SM), block 32 * GEMV_WARPS.
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_STREAM_MIN_BLOCKS) gemv_stream_swiglu_1(SWIGLU_PARAMS) {
+    TD_SCOPE("gemv_stream_swiglu_1");
+    int lane = threadIdx.x & 31;
+    int gw = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), warps = gridDim.x * GEMV_WARPS;
+    if (in > 32 * 8 * GEMV_PRE) return;  // the host never launches it so
+    int tasks = gw < inter ? (inter - 1 - gw) / warps + 1 : 0;
+    auto unit_w = [&](int i, int j) {
+        return (j == 0 ? wg : wu) + (size_t)(gw + i * warps) * in;
+    };
+    auto ready = [&]() {
+        pdl_launch_dependents();
+        pdl_wait();
+        return norm_w ? (const void*)gemv_norm_prologue<1>((const float*)x, norm_w, eps, in) : x;
+    };
+    float g[1] = {0.0f};
+    auto done = [&](int i, int j, float s) {
+        if (j == 0) {
+            g[0] = s;
+        } else {
+            float u[1] = {s};
+            swiglu_store<1>(g, u, bg, bu, out, inter, gw + i * warps, lane);
+        }
+    };
+    stream_units<false>(tasks, 2, in, in, 0, lane, unit_w, ready, done);
 }
 
 // Rotary embedding of the new tokens' queries and keys, then the write of their keys and values

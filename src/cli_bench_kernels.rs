@@ -80,7 +80,7 @@ pub fn run(args: GemvBenchArgs) -> Result<()> {
         |len: usize| -> Vec<f32> { (0..len).map(|_| r.random_range(-1.0f32..1.0)).collect() };
     println!("bf16 GEMV (small_gemm=gemv) vs the cuBLAS path, Llama-3.2-1B linear layers, {} reps, weights cycled past L2", args.reps);
     println!(
-        "{:<22} {:>13} {:>4} {:>10} {:>8} {:>12} {:>8} {:>7}",
+        "{:<22} {:>13} {:>4} {:>10} {:>8} {:>12} {:>8} {:>7}  streaming kernels (TAPEDECK_GEMV_STREAM=K): us (GB/s)",
         "matrix", "out x in", "rows", "ours us", "GB/s", "cuBLAS us", "GB/s", "speedup"
     );
     let norm_w: Vec<f32> = (0..2048).map(|i| 1.0 + (i % 7) as f32 * 0.01).collect();
@@ -130,8 +130,13 @@ pub fn run(args: GemvBenchArgs) -> Result<()> {
             };
             let bytes = (mats * sh.out * sh.inp * 2) as f64;
             let gbs = |us: f64| bytes / (us * 1e3);
+            let streamed: Vec<String> = run
+                .stream
+                .iter()
+                .map(|(k, _, us)| format!("K={k} {us:.2} ({:.0})", gbs(*us)))
+                .collect();
             println!(
-                "{:<22} {:>13} {:>4} {:>10.2} {:>8.0} {:>12.2} {:>8.0} {:>6.2}x",
+                "{:<22} {:>13} {:>4} {:>10.2} {:>8.0} {:>12.2} {:>8.0} {:>6.2}x  {}",
                 sh.name,
                 format!("{}x{}", sh.out, sh.inp),
                 n,
@@ -139,7 +144,8 @@ pub fn run(args: GemvBenchArgs) -> Result<()> {
                 gbs(run.ours_us),
                 run.cublas_us,
                 gbs(run.cublas_us),
-                run.cublas_us / run.ours_us
+                run.cublas_us / run.ours_us,
+                streamed.join(", ")
             );
             let times = if sh.per_layer == 0 {
                 1

@@ -231,6 +231,7 @@ fn cuda_gemv_kernel_matches_a_float64_reference() {
     }
     use tapedeck_engine::cuda::check::{gemv, GemvCase};
     let mut r = rng();
+    let mut streamed = 0;
     // (out, in, row counts): Llama-3.2-1B's shapes, a tiny one, random ones (short and long).
     let all: Vec<usize> = (1..=4).collect();
     let mut cases = vec![
@@ -277,6 +278,7 @@ fn cuda_gemv_kernel_matches_a_float64_reference() {
                 residual: res.as_deref(),
             };
             let run = gemv(0, &case, 0).unwrap();
+            streamed += same_bits_as_streamed(&run, &format!("gemv {out}x{inp} n {n}"));
             // What the products see: x, or x normalized (in float64, then rounded to bf16 by
             // dot64; a rounding that lands the other way than the kernel's f32 norm is a rare
             // one-ulp flip of one input, hence the looser bound against float64 below).
@@ -336,6 +338,32 @@ fn cuda_gemv_kernel_matches_a_float64_reference() {
             }
         }
     }
+    // The streaming kernels take one row with warp slices of at most 2048 inputs: at least
+    // Llama's shapes 2048x2048, 512x2048 and 2048x8192 (four slices of 2048) and the tiny one.
+    assert!(
+        streamed >= 4 * tapedeck_engine::cuda::check::STREAM_GRIDS.len(),
+        "the streaming kernels ran on {streamed} cases"
+    );
+}
+
+/// Asserts that the streaming GEMV kernels (`TAPEDECK_GEMV_STREAM`, every grid `check` ran them
+/// on) wrote exactly the bits of the default kernel, and returns how many grids ran.
+fn same_bits_as_streamed(run: &tapedeck_engine::cuda::check::KernelRun, what: &str) -> usize {
+    for (per_sm, y, _) in &run.stream {
+        let differ = y
+            .iter()
+            .zip(&run.ours)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ,
+            0,
+            "{what}: the streaming kernel at {per_sm} blocks per SM differs in {differ} of {} \
+             outputs",
+            y.len()
+        );
+    }
+    run.stream.len()
 }
 
 #[test]
@@ -372,6 +400,11 @@ fn cuda_fused_gate_up_kernel_matches_a_float64_reference() {
                 n,
             };
             let run = swiglu(0, &case, 0).unwrap();
+            let grids = same_bits_as_streamed(&run, &format!("swiglu {inter}x{inp} n {n}"));
+            assert!(
+                n > 1 || inp > 2048 || grids > 0,
+                "one row: the streaming kernel runs"
+            );
             let mut worst = 0.0f64;
             for row in 0..n {
                 let xr = &x[row * inp..(row + 1) * inp];

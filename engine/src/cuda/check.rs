@@ -7,6 +7,7 @@
 //! weights filling more than the GPU's L2 cache, so each reads its weights from memory, as a
 //! model's layers do.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use cudarc::driver::result as dr;
@@ -54,6 +55,38 @@ pub struct KernelRun {
     pub ours_us: f64,
     /// Mean time of the cuBLAS path, microseconds.
     pub cublas_us: f64,
+    /// The streaming kernels (`TAPEDECK_GEMV_STREAM`) at each of [`STREAM_GRIDS`] blocks per SM:
+    /// (blocks per SM, output, mean microseconds). Empty where they do not apply (more than one
+    /// row, slices longer than 2048 inputs).
+    pub stream: Vec<(usize, Vec<f32>, f64)>,
+}
+
+/// Blocks per SM the streaming GEMV kernels are run with by [`gemv`] and [`swiglu`].
+pub const STREAM_GRIDS: [usize; 2] = [1, 2];
+
+/// Runs `once` (which launches on `gpu` and returns the output) and times `launch` with each of
+/// [`STREAM_GRIDS`] blocks per SM of the streaming kernels, when they apply to `n` rows of
+/// `slice`-input warp slices; then restores the default kernels.
+fn stream_runs(
+    ctx: &Arc<CudaContext>,
+    gpu: &Gpu,
+    n: usize,
+    slice: usize,
+    reps: usize,
+    mut once: impl FnMut() -> Result<Vec<f32>>,
+    mut launch: impl FnMut(usize) -> Result<()>,
+) -> Result<Vec<(usize, Vec<f32>, f64)>> {
+    let mut runs = Vec::new();
+    for per_sm in STREAM_GRIDS {
+        gpu.gemv_stream.store(per_sm, Ordering::Relaxed);
+        if gpu.stream_grid(n, slice).is_none() {
+            break;
+        }
+        let y = once()?;
+        runs.push((per_sm, y, time(ctx, &gpu.stream, reps, &mut launch)?));
+    }
+    gpu.gemv_stream.store(0, Ordering::Relaxed);
+    Ok(runs)
 }
 
 fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
@@ -142,6 +175,7 @@ pub fn gemv(ordinal: usize, case: &GemvCase<'_>, reps: usize) -> Result<KernelRu
     check_rows(n, inp)?;
     let ctx = context(ordinal)?;
     let (gpu, _, _) = Gpu::new(&ctx, 64)?;
+    gpu.gemv_stream.store(0, Ordering::Relaxed);
     let ls = (0..copies(out * inp * 2, reps))
         .map(|_| DevLinear::from_parts(&ctx, w, case.bias, out, inp))
         .collect::<Result<Vec<_>>>()?;
@@ -210,11 +244,28 @@ pub fn gemv(ordinal: usize, case: &GemvCase<'_>, reps: usize) -> Result<KernelRu
     upload(&gpu, &y, &start)?;
     theirs(0)?;
     let cublas_y = download(&gpu, &y, n * out)?;
+    let ours_us = time(&ctx, &gpu.stream, reps, ours)?;
+    let cublas_us = time(&ctx, &gpu.stream, reps, theirs)?;
+    let slice = inp / super::gemv_splits(inp, n, super::GEMV_SLICE);
+    let stream = stream_runs(
+        &ctx,
+        &gpu,
+        n,
+        slice,
+        reps,
+        || {
+            upload(&gpu, &y, &start)?;
+            ours(0)?;
+            download(&gpu, &y, n * out)
+        },
+        ours,
+    )?;
     Ok(KernelRun {
         ours: ours_y,
         cublas: cublas_y,
-        ours_us: time(&ctx, &gpu.stream, reps, ours)?,
-        cublas_us: time(&ctx, &gpu.stream, reps, theirs)?,
+        ours_us,
+        cublas_us,
+        stream,
     })
 }
 
@@ -249,6 +300,7 @@ pub fn swiglu(ordinal: usize, case: &SwigluCase<'_>, reps: usize) -> Result<Kern
     check_rows(n, inp)?;
     let ctx = context(ordinal)?;
     let (gpu, _, _) = Gpu::new(&ctx, 64)?;
+    gpu.gemv_stream.store(0, Ordering::Relaxed);
     let pairs = (0..copies(2 * inter * inp * 2, reps))
         .map(|_| {
             Ok((
@@ -296,11 +348,27 @@ pub fn swiglu(ordinal: usize, case: &SwigluCase<'_>, reps: usize) -> Result<Kern
     upload(&gpu, &out, &poison)?;
     theirs(0)?;
     let cublas_y = as_f32(download(&gpu, &out, n * inter)?);
+    let ours_us = time(&ctx, &gpu.stream, reps, ours)?;
+    let cublas_us = time(&ctx, &gpu.stream, reps, theirs)?;
+    let stream = stream_runs(
+        &ctx,
+        &gpu,
+        n,
+        inp,
+        reps,
+        || {
+            upload(&gpu, &out, &poison)?;
+            ours(0)?;
+            Ok(as_f32(download(&gpu, &out, n * inter)?))
+        },
+        ours,
+    )?;
     Ok(KernelRun {
         ours: ours_y,
         cublas: cublas_y,
-        ours_us: time(&ctx, &gpu.stream, reps, ours)?,
-        cublas_us: time(&ctx, &gpu.stream, reps, theirs)?,
+        ours_us,
+        cublas_us,
+        stream,
     })
 }
 

@@ -21,7 +21,7 @@ mod trace;
 mod tune;
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result as dr;
@@ -521,6 +521,10 @@ struct Kernels {
     /// The o projection that merges the mma kernel's splits as it reads them (`fuse=on`), per
     /// row count like `gemv`.
     gemv_merged: Vec<CudaFunction>,
+    /// The one-row GEMV and gate/up kernels on a resident grid, each warp streaming its rows
+    /// (`TAPEDECK_GEMV_STREAM`, cuda/tune.rs): the same bits as `gemv[0]` and `gemv_swiglu[0]`.
+    gemv_stream: CudaFunction,
+    gemv_stream_swiglu: CudaFunction,
     topk_mask: CudaFunction,
     decode_combine: CudaFunction,
     pick_partial: CudaFunction,
@@ -651,6 +655,8 @@ impl Kernels {
             gemv: rows(&module, "gemv_bf16")?,
             gemv_swiglu: rows(&module, "gemv_bf16_swiglu")?,
             gemv_merged: rows(&fused, "gemv_bf16_merged")?,
+            gemv_stream: f("gemv_stream_bf16_1")?,
+            gemv_stream_swiglu: f("gemv_stream_swiglu_1")?,
             topk_mask: f("topk_mask")?,
             pick_partial: f("pick_partial")?,
             pick_finish: f("pick_finish")?,
@@ -948,6 +954,19 @@ fn gemv_splits(inp: usize, n: usize, slice: usize) -> usize {
     }
     s
 }
+/// Blocks of a streaming GEMV launch (`TAPEDECK_GEMV_STREAM=per_sm`) over `tasks` output
+/// features: at most `per_sm` per SM, never more than the tasks need, and where a grid of at
+/// least three quarters of that divides the features evenly among its warps, that one: every
+/// warp then streams the same number of rows and none is left with a last row alone (llama-1b
+/// on 132 SMs: 256 blocks for 8192 gate/up rows, 2048 down or o rows).
+fn stream_blocks(sms: usize, per_sm: usize, tasks: usize) -> usize {
+    let most = (sms * per_sm).min(tasks.div_ceil(GEMV_WARPS)).max(1);
+    (most.div_ceil(4) * 3..=most)
+        .rev()
+        .find(|&g| g > 0 && tasks.is_multiple_of(g * GEMV_WARPS))
+        .unwrap_or(most)
+}
+
 /// Most rows a decode graph takes; larger decode batches run eagerly.
 const GRAPH_MAX_ROWS: usize = 512;
 /// Graphs kept before the cache is emptied (each holds a few hundred nodes).
@@ -1043,6 +1062,9 @@ struct Gpu {
     sms: usize,
     /// Programmatic dependent launch exists (compute capability 9.0 and later).
     pdl_capable: bool,
+    /// Blocks per SM of the streaming one-row GEMV kernels, 0 for the default kernels
+    /// (`TAPEDECK_GEMV_STREAM`; [`check`] sets it to run both).
+    gemv_stream: AtomicUsize,
     /// The virtual architecture the kernels are compiled for (`compute_XY`).
     arch: String,
     /// The cuBLAS workspace (kept alive for the handle).
@@ -1100,6 +1122,7 @@ impl Gpu {
             k,
             sms,
             pdl_capable: major >= 9,
+            gemv_stream: AtomicUsize::new(tune::get().gemv_stream),
             arch,
             _workspace: workspace,
         };
@@ -1312,6 +1335,15 @@ impl Gpu {
                 mats.len()
             )));
         }
+        // The streaming kernel takes what `gemv` takes, but not merged splits.
+        let stream = match x {
+            GemvIn::Merged(_) => None,
+            _ => self.stream_grid(n, inp / splits),
+        };
+        let kernels = match stream {
+            Some(_) => std::slice::from_ref(&self.k.gemv_stream),
+            None => kernels.as_slice(),
+        };
         let mut total = 0;
         for j in 0..max_mats {
             a = match mats.get(j) {
@@ -1322,10 +1354,14 @@ impl Gpu {
                 None => a.p(0).p(0).p(0).i(0),
             };
         }
+        let grid = match stream {
+            Some(per_sm) => stream_blocks(self.sms, per_sm, total),
+            None => self.gemv_grid((total * splits).div_ceil(GEMV_WARPS)),
+        };
         a.launch_pdl(
             &self.stream,
             gemv_for(kernels, n)?,
-            (self.gemv_grid((total * splits).div_ceil(GEMV_WARPS)), 1, 1),
+            (grid, 1, 1),
             32 * GEMV_WARPS,
             smem,
             pdl && self.pdl_capable,
@@ -1349,6 +1385,16 @@ impl Gpu {
             ));
         }
         let (a, smem) = x.args(Args::new(), n, gate.inp);
+        let (kernel, grid) = match self.stream_grid(n, gate.inp) {
+            Some(per_sm) => (
+                &self.k.gemv_stream_swiglu,
+                stream_blocks(self.sms, per_sm, gate.out),
+            ),
+            None => (
+                gemv_for(&self.k.gemv_swiglu, n)?,
+                self.gemv_grid(gate.out.div_ceil(GEMV_WARPS)),
+            ),
+        };
         a.i(n)
             .i(gate.inp)
             .p(gate.w_bf16.ptr)
@@ -1359,12 +1405,23 @@ impl Gpu {
             .i(gate.out)
             .launch_pdl(
                 &self.stream,
-                gemv_for(&self.k.gemv_swiglu, n)?,
-                (self.gemv_grid(gate.out.div_ceil(GEMV_WARPS)), 1, 1),
+                kernel,
+                (grid, 1, 1),
                 32 * GEMV_WARPS,
                 smem,
                 pdl && self.pdl_capable,
             )
+    }
+
+    /// Blocks per SM of the streaming GEMV kernels for `n` rows whose warps read slices of
+    /// `slice` inputs, when `TAPEDECK_GEMV_STREAM` asks for them and they apply (one row, slices
+    /// of at most 2048 inputs); `None` for the one-block-per-row-group kernels.
+    fn stream_grid(&self, n: usize, slice: usize) -> Option<usize> {
+        match self.gemv_stream.load(Ordering::Relaxed) {
+            0 => None,
+            k if n == 1 && slice <= GEMV_SLICE => Some(k),
+            _ => None,
+        }
     }
 
     /// Blocks of a GEMV launch over `groups` row groups: one per group, or at most
@@ -2164,7 +2221,8 @@ impl Inner {
                 {
                     o_in = GemvIn::Merged(merged);
                     FUSED_MERGE.fetch_add(1, Ordering::Relaxed);
-                } else if m.done == 0 {
+                } else if m.done == 0 && m.max_splits > 1 {
+                    // With one split the mma kernel writes the attention output itself.
                     Args::new()
                         .p(m.o_dec)
                         .p(m.partial_out)
@@ -2375,6 +2433,25 @@ mod tests {
             // whole chunks.
             let stop = s == GEMV_WARPS || inp / s <= GEMV_SLICE || !inp.is_multiple_of(16 * s);
             assert!(stop, "{inp}: {s}");
+        }
+    }
+
+    #[test]
+    fn streaming_grids_split_the_rows_evenly_where_they_can() {
+        assert_eq!(stream_blocks(132, 2, 8192), 256);
+        assert_eq!(stream_blocks(132, 1, 8192), 128);
+        assert_eq!(stream_blocks(132, 2, 2048), 256);
+        // 3072 = 8 * 384: no grid of 198..=264 blocks divides it.
+        assert_eq!(stream_blocks(132, 2, 3072), 264);
+        assert_eq!(
+            stream_blocks(132, 2, 40),
+            5,
+            "no more blocks than rows need"
+        );
+        assert_eq!(stream_blocks(132, 2, 1), 1);
+        for tasks in 1..3000 {
+            let g = stream_blocks(132, 2, tasks);
+            assert!((1..=264).contains(&g), "{tasks}: {g}");
         }
     }
 

@@ -22,6 +22,11 @@
 //!   each looping over its rows with the next row's weights in flight (compiled with
 //!   `GEMV_PERSIST=1`), instead of one block per 8 rows (0, the default). A one-wave grid lets the
 //!   next kernel's blocks launch at once (PDL) and prefetch their weights beside it.
+//! - `TAPEDECK_GEMV_STREAM=K`: one-row GEMVs and gate/up (slices of at most 2048 inputs) on the
+//!   streaming kernels (`gemv_stream_bf16_1`, `gemv_stream_swiglu_1`): K blocks per SM (1 or 2)
+//!   stay resident and each warp keeps `GEMV_STREAM_DEPTH` (an NVRTC define, default 3) weight
+//!   rows in flight, with no block boundary between rows. The same bits as the default kernels
+//!   (0: one block per row group).
 //! - `TAPEDECK_FUSE=rope,merge,head`: which fusions `fuse=on` applies (default `rope,head`):
 //!   RoPE + KV write in the q/k/v GEMV, the split merge in the o GEMV, the final RMSNorm in the
 //!   head's GEMV. All give the same bits; the knob times each one (llama-1b batch-1 decode on an
@@ -91,6 +96,8 @@ pub(crate) struct Tuning {
     pub trace: Option<std::path::PathBuf>,
     /// Blocks per SM of the GEMV kernels' persistent grid, 0 for one block per row group.
     pub gemv_grid: usize,
+    /// Blocks per SM of the streaming one-row GEMV kernels, 0 for the default kernels.
+    pub gemv_stream: usize,
     /// The GEMV kernels' longest slice per warp, in inputs.
     pub gemv_slice: usize,
     /// Whether the mma decode kernel merges its own splits (else the combine kernel runs, the
@@ -154,6 +161,13 @@ impl Tuning {
             |n| n <= 8,
             "0 to 8 blocks per SM",
         );
+        let gemv_stream = number(
+            &var,
+            "TAPEDECK_GEMV_STREAM",
+            0,
+            |n| n <= 2,
+            "0, 1 or 2 blocks per SM",
+        );
         if gemv_grid > 0 {
             nvrtc_defines.push("-DGEMV_PERSIST=1".into());
         }
@@ -182,6 +196,7 @@ impl Tuning {
             fuse,
             trace,
             gemv_grid,
+            gemv_stream,
             gemv_slice,
             mma_merge_in_kernel,
             kv_f32,
@@ -236,6 +251,7 @@ mod tests {
                 fuse: Fusions::DEFAULT,
                 trace: None,
                 gemv_grid: 0,
+                gemv_stream: 0,
                 gemv_slice: 2048,
                 mma_merge_in_kernel: false,
                 kv_f32: false,
@@ -251,12 +267,15 @@ mod tests {
             ("TAPEDECK_MMA_MERGE", "in-kernel"),
             ("TAPEDECK_GEMV_GRID", "9"),
             ("TAPEDECK_KV_STORAGE", "fp16"),
+            ("TAPEDECK_GEMV_STREAM", "3"),
         ]);
         assert_eq!(t.nvrtc_defines, ["-DMK_MIN_BLOCKS=1", "-DX=2.5"]);
         assert_eq!(t.split_min, 128, "96 is not a multiple of 64");
         assert_eq!(t.gemv_slice, 2048, "100 is not a slice length");
         assert_eq!(t.gemv_grid, 0, "9 blocks per SM is out of range");
         assert!(t.mma_merge_in_kernel);
+        assert_eq!(t.gemv_stream, 0, "3 blocks per SM would not fit");
+        assert_eq!(parse(&[("TAPEDECK_GEMV_STREAM", "2")]).gemv_stream, 2);
         assert!(!t.kv_f32, "fp16 is not a storage choice");
         assert!(parse(&[("TAPEDECK_KV_STORAGE", "f32")]).kv_f32);
         assert_eq!(parse(&[("TAPEDECK_MMA_SPLIT_MIN", "64")]).split_min, 64);
