@@ -8,7 +8,8 @@ Per launch: blocks; the most blocks resident at once on the GPU and on one SM; b
 percentile; and, counted from when the launch before it ended, when 50%, 90% and 100% of its
 blocks had ended. With --bytes KERNEL=MB (repeatable) it also prints the rate over that last
 interval for the kernels whose weight traffic you give (KERNEL/BLOCKS to tell apart launches of
-one kernel by grid size).
+one kernel by grid size, or @K for the layer's K-th launch, from 0: the streaming GEMV runs o
+and down on the same grid).
 
     python3 bench/cuda/trace_blocks.py trace.csv [--layer 3] [--bytes gemv_bf16_swiglu_1=67.1 --bytes gemv_bf16_1/1024=33.6]
 """
@@ -98,8 +99,9 @@ def main():
         ends = sorted((e - prev_end) / 1000 for _, e, _, _ in evs)
         p = lambda f: ends[min(len(ends) - 1, int(f * len(ends)))]
         rate = ""
-        key = f"{l['kernel']}/{len(evs)}" if f"{l['kernel']}/{len(evs)}" in mb else l["kernel"]
-        if key in mb and ends[-1] > 0:
+        keys = [f"@{i - lo}", f"{l['kernel']}/{len(evs)}", l["kernel"]]
+        key = next((k for k in keys if k in mb), None)
+        if key is not None and ends[-1] > 0:
             rate = f"{mb[key] * 1e6 / (ends[-1] * 1e3):.0f}"
         aw = f"{q(after, .5):.1f} / {q(after, .9):.1f}" if after else ""
         print(f"| {i} | {l['kernel']} | {len(evs)} | {gpu} / {sm} | {q(life, .5):.1f} / "

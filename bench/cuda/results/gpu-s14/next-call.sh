@@ -21,7 +21,7 @@ trace() {  # name knobs toggles
   grep -E "decode step" $OUT/trace-$1-bench.log
   python3 bench/cuda/trace_summary.py /tmp/trace-$1.csv > $OUT/trace-$1.md 2>&1; sed -n 3,12p $OUT/trace-$1.md
   python3 bench/cuda/trace_blocks.py /tmp/trace-$1.csv --layer 3 --bytes gemv_stream_swiglu_1=67.1 \
-    --bytes gemv_stream_bf16_1/256=33.6 --bytes gemv_bf16_qkv_rope_bf16kv_1=12.6 | tee $OUT/blocks-$1.md
+    --bytes @5=33.6 --bytes @3=8.4 --bytes gemv_bf16_qkv_rope_bf16kv_1=12.6 | tee $OUT/blocks-$1.md
   python3 bench/cuda/trace_blocks.py /tmp/trace-$1.csv --layer 16 | tail -5
 }
 trace stream2 TAPEDECK_GEMV_STREAM=2 "$B"
