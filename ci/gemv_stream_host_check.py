@@ -55,13 +55,14 @@ code = "\n".join(
         cut(eng, "template <int N>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
         .replace("extern __shared__ uint4 gemv_smem[];", "static uint4 gemv_smem[4096];"),
         cut(eng, "struct GemvInput {", "operator()(") + "\n};",
+        cut(eng, "struct GemvTarget {", "gemv_target("),
         cut(eng, "template <int N, typename Input>\n__device__ __forceinline__ void gemv_kernel", "void gemv_kernel("),
         define("GEMV_PARAMS"),
         define("GEMV_ARGS"),
         define("SWIGLU_PARAMS"),
         define("SWIGLU_ARGS"),
         cut(eng, "template <int N>\n__device__ __forceinline__ void swiglu_store", "void swiglu_kernel("),
-        cut(eng, "__device__ __forceinline__ void stream_load", "void gemv_stream_kernel("),
+        cut(eng, "template <bool XF32, typename UnitW", "void gemv_stream_kernel("),
         cut(eng, 'extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_STREAM_MIN_BLOCKS) gemv_stream_swiglu_1',
             "gemv_stream_swiglu_1("),
     ]

@@ -661,17 +661,11 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
   else
     return;
   if (DA_TRIGGER_LATE) da::pdl_trigger();
-  if (nkv <= 0 || nh % nkv != 0 || split_len <= 0) return;
+  // Without `done` the combine kernel merges the splits, unless there is one split: then no combine
+  // launch follows (the host leaves it out) and an empty context's zeros are written here too.
+  if ((!done && max_splits != 1) || nkv <= 0 || nh % nkv != 0 || split_len <= 0) return;
   const int group = nh / nkv;
   const int len = context_lens[seq];
-  // One split and no combine launch after it (the host leaves it out): an empty context's zeros
-  // are written here, as decode_attn_combine would.
-  if (!done && max_splits == 1 && len <= 0 && split == 0 && group <= 16) {
-    for (int i = threadIdx.x; i < group * head_dim; i += DA_THREADS)
-      out[((size_t)seq * nh + (size_t)kvh * group) * head_dim + i] = 0.f;
-    return;
-  }
-  if (!done) return;
   if (len <= 0) {  // no split ran: the first block writes the zeros decode_attn_combine would
     if (split == 0)
       for (int j = 0; j < group; j++)
@@ -679,6 +673,7 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
                                    kvh * group + j, seq);
     return;
   }
+  if (!done) return;
   const int ns = min((len + split_len - 1) / split_len, max_splits);
   if (ns <= 1 || split >= ns) return;  // one split wrote out[] itself; empty splits did nothing
   __syncthreads();

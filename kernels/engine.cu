@@ -521,6 +521,29 @@ struct GemvInput {
     }
 };
 
+// Output feature `row` of up to three matrices concatenated (q, k and v in one launch): its
+// matrix, bias, output and row in it; live is false past the last one.
+struct GemvTarget {
+    const bf16_t* w;
+    const float* b;
+    float* y;
+    int out, row;
+    bool live;
+};
+__device__ __forceinline__ GemvTarget gemv_target(int row, const bf16_t* w0, const float* b0,
+                                                  float* y0, int out0, const bf16_t* w1,
+                                                  const float* b1, float* y1, int out1,
+                                                  const bf16_t* w2, const float* b2, float* y2,
+                                                  int out2) {
+    GemvTarget t{w0, b0, y0, out0, row, false};
+    if (row >= out0) {
+        t = GemvTarget{w1, b1, y1, out1, row - out0, false};
+        if (t.row >= out1) t = GemvTarget{w2, b2, y2, out2, t.row - out1, false};
+    }
+    t.live = t.row < t.out;
+    return t;
+}
+
 // y_j (n, out_j) = x (n, in) · W_jᵀ (+ b_j) for up to three bf16 matrices W_j (out_j, in) that
 // share the input (out_j = 0 for an unused one); with add != 0, y_j += instead (the residual
 // stream). x comes from `input` after the PDL wait (GemvInput: bf16 bits; f32 rounded to bf16 as it
@@ -545,22 +568,9 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int per_block = GEMV_WARPS / splits, part = warp % splits;
     int len = in / splits, k0 = part * len;
-    // Output feature `row` of the concatenated matrices: its matrix, bias, output and row in it.
-    struct Target {
-        const bf16_t* w;
-        const float* b;
-        float* y;
-        int out, row;
-        bool live;
-    };
+    typedef GemvTarget Target;
     auto target = [&](int row) {
-        Target t{w0, b0, y0, out0, row, false};
-        if (row >= out0) {
-            t = Target{w1, b1, y1, out1, row - out0, false};
-            if (t.row >= out1) t = Target{w2, b2, y2, out2, t.row - out1, false};
-        }
-        t.live = t.row < t.out;
-        return t;
+        return gemv_target(row, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, y2, out2);
     };
     auto weights = [&](const Target& t) { return t.w + (t.live ? (size_t)t.row * in + k0 : 0); };
     int group = blockIdx.x;
@@ -740,21 +750,11 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) g
 #define GEMV_STREAM_MIN_BLOCKS 2
 #endif
 
-// The chunks of this lane of one unit (16-byte chunks lane + 32 u of `chunks`), zero past the end.
-__device__ __forceinline__ void stream_load(const bf16_t* w, int chunks, int lane,
-                                            uint4 b[GEMV_PRE]) {
-    const uint4* wr = (const uint4*)w;
-#pragma unroll
-    for (int u = 0; u < GEMV_PRE; u++) {
-        int c = lane + 32 * u;
-        b[u] = c < chunks ? load_stream(wr + c) : make_uint4(0, 0, 0, 0);
-    }
-}
-
 // Streams this warp's units: `tasks` tasks of `per` units each, unit j of task i being
 // unit_w(i, j) (its weights: `len` inputs, applied to x from input j * k_step: the slices of one
-// row, or the same x for every unit), summed into done(i, j, sum). The first DEPTH units are requested before the PDL wait (weights only), then `ready()`
-// returns x once the previous kernel is done.
+// row, or the same x for every unit), summed into done(i, j, sum). The first DEPTH units are
+// requested before the PDL wait (weights only), then `ready()` returns x once the previous kernel
+// is done.
 template <bool XF32, typename UnitW, typename Ready, typename Done>
 __device__ __forceinline__ void stream_units(int tasks, int per, int in, int len, int k_step,
                                              int lane, UnitW unit_w, Ready ready, Done done) {
@@ -763,7 +763,7 @@ __device__ __forceinline__ void stream_units(int tasks, int per, int in, int len
     uint4 buf[D][GEMV_PRE];
 #pragma unroll
     for (int d = 0; d < D; d++) {
-        if (d < units) stream_load(unit_w(d / per, d % per), chunks, lane, buf[d]);
+        if (d < units) gemv_prefetch(unit_w(d / per, d % per), len, lane, true, buf[d]);
     }
     const void* x = ready();
     for (int base = 0; base < units; base += D) {
@@ -779,7 +779,7 @@ __device__ __forceinline__ void stream_units(int tasks, int per, int in, int len
                     if (c < chunks) gemv_chunk<1, XF32>(buf[d][v], x, in, j * k_step, c, acc);
                 }
                 int next = u + D;
-                if (next < units) stream_load(unit_w(next / per, next % per), chunks, lane, buf[d]);
+                if (next < units) gemv_prefetch(unit_w(next / per, next % per), len, lane, true, buf[d]);
                 done(i, j, warp_sum(acc[0]));
             }
         }
@@ -800,23 +800,12 @@ __device__ __forceinline__ void gemv_stream_kernel(GemvInput input, int in, int 
     if (len > 32 * 8 * GEMV_PRE) return;  // the host never launches it so
     int tasks = gw < total ? (total - 1 - gw) / warps + 1 : 0;
     // Task i of this warp: output feature gw + i * warps of the concatenated matrices.
-    auto locate = [&](int i, const bf16_t** w, const float** b, float** y, int* out, int* row) {
-        int r = gw + i * warps;
-        if (r < out0) {
-            *w = w0, *b = b0, *y = y0, *out = out0, *row = r;
-        } else if (r < out0 + out1) {
-            *w = w1, *b = b1, *y = y1, *out = out1, *row = r - out0;
-        } else {
-            *w = w2, *b = b2, *y = y2, *out = out2, *row = r - out0 - out1;
-        }
+    auto task = [&](int i) {
+        return gemv_target(gw + i * warps, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, y2, out2);
     };
     auto unit_w = [&](int i, int j) {
-        const bf16_t* w;
-        const float* b;
-        float* y;
-        int out, row;
-        locate(i, &w, &b, &y, &out, &row);
-        return w + (size_t)row * in + (size_t)j * len;
+        GemvTarget t = task(i);
+        return t.w + (size_t)t.row * in + (size_t)j * len;
     };
     int x_f32 = 0;
     // Every warp of the block must reach the norm prologue's barriers, with or without tasks.
@@ -829,13 +818,9 @@ __device__ __forceinline__ void gemv_stream_kernel(GemvInput input, int in, int 
     auto done = [&](int i, int j, float s) {
         sum = j == 0 ? s : sum + s;
         if (j == splits - 1) {
-            const bf16_t* w;
-            const float* b;
-            float* y;
-            int out, row;
-            locate(i, &w, &b, &y, &out, &row);
+            GemvTarget t = task(i);
             float acc[1] = {sum};
-            gemv_store<1>(acc, b, y, out, row, add, lane);
+            gemv_store<1>(acc, t.b, t.y, t.out, t.row, add, lane);
         }
     };
     // Input rows read as f32 and rounded, or bf16 bits (also the normalized rows in shared memory).
