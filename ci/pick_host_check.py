@@ -31,8 +31,9 @@ int main() {
   std::mt19937 rng(20261205);
   std::normal_distribution<float> nd(0.f, 3.f);
   int failures = 0;
-  for (int trial = 0; trial < 3; ++trial) {
-    const int vocab = trial == 0 ? 20000 : trial == 1 ? 8192 : 30011, k = trial == 2 ? 32 : 8;
+  for (int trial = 0; trial < 4; ++trial) {
+    const int vocab = trial == 0 ? 20000 : trial == 1 ? 8192 : trial == 2 ? 30011 : 200003;
+    const int k = trial == 2 ? 32 : trial == 3 ? 20 : 8;
     const int picks = 2, chunks = (vocab + PICK_CHUNK - 1) / PICK_CHUNK, nrows = 3;
     std::vector<float> logits((size_t)nrows * vocab);
     for (auto& v : logits) v = nd(rng);

@@ -1434,11 +1434,11 @@ extern "C" __global__ void topk_mask(float* scores, int scores_stride, const int
 // instead of a vocabulary of floats. The formulas are sampling::summarize's: lse = max + ln S0,
 // entropy = lse - S1/S0 with S0 = sum e^(x-max), S1 = sum e^(x-max) x, in f64; candidates are
 // ordered as f32::total_cmp orders them, ties to the lower token ID.
-#define PICK_CHUNK 8192
+#define PICK_CHUNK 2048
 #define PICK_THREADS 256
 #define PICK_PER_THREAD (PICK_CHUNK / PICK_THREADS)
 #define PICK_MAX_K 32
-#define PICK_MAX_CHUNKS 64
+#define PICK_MAX_CHUNKS 128
 
 // A candidate as one integer: the value's order key above the inverted index, so the larger of
 // two packed candidates is the larger value, or the lower index of two equal ones. 0 is "none".
@@ -1457,16 +1457,6 @@ __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v)
         v = w > v ? w : v;
     }
     return v;
-}
-
-// The largest packed candidate of the block; every thread gets it.
-__device__ unsigned long long block_max_u64(unsigned long long v, unsigned long long* shared32) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    v = warp_max_u64(v);
-    __syncthreads();
-    if (lane == 0) shared32[warp] = v;
-    __syncthreads();
-    return warp_max_u64(lane < warps ? shared32[lane] : 0ull);
 }
 
 __device__ double block_sum_f64(double v, double* shared32) {
@@ -1578,7 +1568,9 @@ extern "C" __global__ void pick_partial(const float* logits, int vocab, const in
 #define PICK_WORDS(k) (6 + 2 * (k))
 
 // Merges the chunks of each picked row: chosen[p] is the token to report (-1: the most likely).
-// out (picks, PICK_WORDS(k)) u32. grid (picks), block PICK_THREADS.
+// Warp 0 takes the k best of the chunks' lists (each sorted best first) as a k-way merge, lane l
+// following lists l, l + 32, ..., one warp-wide max a round with no block barrier; warp 1 meanwhile
+// combines the chunks' sums. out (picks, PICK_WORDS(k)) u32. grid (picks), block PICK_THREADS.
 extern "C" __global__ void pick_finish(const float* logits, int vocab, const int* rows,
                                        const int* chosen, int k, int chunks,
                                        const double* stats, const unsigned long long* top,
@@ -1587,10 +1579,10 @@ extern "C" __global__ void pick_finish(const float* logits, int vocab, const int
     pdl_launch_dependents();
     pdl_wait();
     __shared__ unsigned long long cand[PICK_MAX_CHUNKS * PICK_MAX_K];
-    __shared__ unsigned long long s_u[32];
     __shared__ double s_stats[PICK_MAX_CHUNKS * 3];
     __shared__ unsigned int s_ids[PICK_MAX_K];
     int p = blockIdx.x, n = chunks * k;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* row = logits + (size_t)rows[p] * vocab;
     // Every load this block needs from the partials at once (not one chunk after another in
     // thread 0's loop below: each would wait for the last).
@@ -1599,22 +1591,55 @@ extern "C" __global__ void pick_finish(const float* logits, int vocab, const int
         s_stats[i] = stats[(size_t)p * chunks * 3 + i];
     __syncthreads();
     unsigned int* o = out + (size_t)p * PICK_WORDS(k);
-    unsigned int first = 0xffffffffu;
-    for (int r = 0; r < k; r++) {
-        unsigned long long best = 0;
-        int at = -1;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            if (cand[i] > best) {
-                best = cand[i];
-                at = i;
+    if (warp == 0) {
+        constexpr int LISTS = PICK_MAX_CHUNKS / 32;
+        int head[LISTS];
+#pragma unroll
+        for (int q = 0; q < LISTS; q++) head[q] = 0;
+        for (int r = 0; r < k; r++) {
+            unsigned long long best = 0;
+            int from = 0;
+#pragma unroll
+            for (int q = 0; q < LISTS; q++) {
+                int c = lane + 32 * q;
+                unsigned long long v = c < chunks && head[q] < k ? cand[c * k + head[q]] : 0ull;
+                if (v > best) best = v, from = q;
+            }
+            // Candidates are unique (the index is in them): one lane holds the winner.
+            unsigned long long win = warp_max_u64(best);
+            if (win != 0 && win == best) {
+#pragma unroll
+                for (int q = 0; q < LISTS; q++) head[q] += q == from;
+            }
+            if (lane == 0) s_ids[r] = win ? pick_index(win) : 0xffffffffu;
+        }
+    } else if (warp == 1) {
+        // The chunks combined: M = max M_c, S = sum S_c e^(M_c - M), each lane over chunks
+        // lane, lane + 32, ..., then a fixed butterfly (deterministic); lane 0's sums are used.
+        double mx = -1.0 / 0.0, s0 = 0.0, s1 = 0.0;
+        for (int c = lane; c < chunks; c += 32) mx = fmax(mx, s_stats[c * 3]);
+        for (int m = 16; m > 0; m >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, m));
+        for (int c = lane; c < chunks; c += 32) {
+            const double* st = s_stats + c * 3;
+            if (st[1] > 0.0) {
+                double w = exp(st[0] - mx);
+                s0 += st[1] * w;
+                s1 += st[2] * w;
             }
         }
-        unsigned long long win = block_max_u64(best, s_u);
-        if (win != 0 && win == best) cand[at] = 0;
-        __syncthreads();
-        unsigned int id = win ? pick_index(win) : 0xffffffffu;
-        if (r == 0) first = id;
-        if (threadIdx.x == 0) s_ids[r] = id;
+        for (int m = 16; m > 0; m >>= 1) {
+            s0 += __shfl_xor_sync(0xffffffffu, s0, m);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, m);
+        }
+        if (lane == 0) {
+            double lse = mx + log(s0), ent = lse - s1 / s0;
+            unsigned long long lb = (unsigned long long)__double_as_longlong(lse);
+            unsigned long long eb = (unsigned long long)__double_as_longlong(ent);
+            o[0] = (unsigned int)lb;
+            o[1] = (unsigned int)(lb >> 32);
+            o[2] = (unsigned int)eb;
+            o[3] = (unsigned int)(eb >> 32);
+        }
     }
     __syncthreads();
     // The candidates' logits, one thread each, all loads in flight together.
@@ -1624,26 +1649,8 @@ extern "C" __global__ void pick_finish(const float* logits, int vocab, const int
         o[7 + 2 * threadIdx.x] =
             id != 0xffffffffu ? __float_as_uint(row[id]) : __float_as_uint(NEG_INF);
     }
-    if (threadIdx.x == 0) {
-        // The chunks combined in order: M = max M_c, S = sum S_c e^(M_c - M).
-        double mx = -1.0 / 0.0, s0 = 0.0, s1 = 0.0;
-        for (int c = 0; c < chunks; c++) mx = fmax(mx, s_stats[c * 3]);
-        for (int c = 0; c < chunks; c++) {
-            const double* st = s_stats + c * 3;
-            if (st[1] > 0.0) {
-                double w = exp(st[0] - mx);
-                s0 += st[1] * w;
-                s1 += st[2] * w;
-            }
-        }
-        double lse = mx + log(s0), ent = lse - s1 / s0;
-        unsigned long long lb = (unsigned long long)__double_as_longlong(lse);
-        unsigned long long eb = (unsigned long long)__double_as_longlong(ent);
-        o[0] = (unsigned int)lb;
-        o[1] = (unsigned int)(lb >> 32);
-        o[2] = (unsigned int)eb;
-        o[3] = (unsigned int)(eb >> 32);
-        int tok = chosen[p] >= 0 ? chosen[p] : (int)first;
+    if (threadIdx.x == 32) {
+        int tok = chosen[p] >= 0 ? chosen[p] : k > 0 ? (int)s_ids[0] : -1;
         o[4] = (unsigned int)tok;
         o[5] = (tok >= 0 && tok < vocab) ? __float_as_uint(row[tok]) : __float_as_uint(NEG_INF);
     }

@@ -808,7 +808,7 @@ fn cuda_picks_tokens_on_the_device_like_the_host() {
     // Greedy decoding and teacher forcing reduce the logits on the GPU (argmax, log-sum-exp,
     // entropy, top-k) and copy back only that. Against the host's reduction of the same logits
     // (copied back whole): the same token and alternatives, logprobs within 1e-6 (both sum in
-    // f64; only the order of the partial sums differs), on a vocabulary of 9 partial chunks with
+    // f64; only the order of the partial sums differs), on a vocabulary of 35 partial chunks with
     // a ragged last one, in batches that mix picked, whole-row and no-logit segments.
     if let Err(e) = probe() {
         println!("SKIPPED: no usable GPU here ({e})");

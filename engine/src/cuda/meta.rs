@@ -66,9 +66,11 @@ pub(super) struct Pad {
 /// Alternatives the device keeps per picked row (`PICK_MAX_K` in kernels/engine.cu).
 pub(super) const PICK_MAX_K: usize = 32;
 /// Logits per partial reduction, and the most partials one row may have (`PICK_CHUNK`,
-/// `PICK_MAX_CHUNKS`): vocabularies up to 512k tokens are picked on the device.
-pub(super) const PICK_CHUNK: usize = 8192;
-const PICK_MAX_CHUNKS: usize = 64;
+/// `PICK_MAX_CHUNKS`): vocabularies up to 256k tokens are picked on the device. Small chunks
+/// spread a row over many blocks (63 for Llama's 128k vocabulary): the per-chunk work (f64 sums,
+/// k rounds of warp-wide maxima) is latency-bound, and 16 blocks of 8192 took 11.4 µs.
+pub(super) const PICK_CHUNK: usize = 2048;
+const PICK_MAX_CHUNKS: usize = 128;
 
 /// u32 words of one picked row's result (`PICK_WORDS` in kernels/engine.cu).
 pub(super) fn pick_words(k: usize) -> usize {
