@@ -864,6 +864,65 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_STREAM_MIN_BL
     stream_units<false>(tasks, 2, in, in, 0, lane, unit_w, ready, done);
 }
 
+// ---- L2 prefetch of weights later kernels read (TAPEDECK_L2_PREFETCH) ----
+//
+// At batch 1 the attention half of a layer (q/k/v, attention, its merge, o) reads ~22 MB in
+// ~15-20 µs, so the memory pipe idles most of that time, and the gate/up GEMV that follows starts
+// from DRAM. This kernel, launched with PDL beside the kernel before it, asks the L2 to fetch up
+// to four byte ranges (the first rows of gate and up, the o weights) while the attention runs.
+// It changes no value: the prefetch is a hint the L2 may drop. It then waits for the kernel
+// before it (griddepcontrol.wait) before it ends, so that the kernel after it, which waits for
+// this one, still sees the one before complete. Ranges are 16-byte aligned, multiples of 16.
+#ifndef L2_PREFETCH_PIECE
+#define L2_PREFETCH_PIECE 16384
+#endif
+// 1: the prefetched lines are marked evict_last (kept over lines read once).
+#ifndef L2_PREFETCH_EVICT_LAST
+#define L2_PREFETCH_EVICT_LAST 0
+#endif
+
+// Thread t of `threads` requests pieces t, t + threads, ... of [p, p + bytes).
+__device__ __forceinline__ void l2_prefetch_range(const char* p, unsigned long long bytes, int t,
+                                                  int threads) {
+#if __CUDA_ARCH__ >= 900
+    const unsigned long long step = (unsigned long long)threads * L2_PREFETCH_PIECE;
+    for (unsigned long long off = (unsigned long long)t * L2_PREFETCH_PIECE; off < bytes;
+         off += step) {
+        unsigned long long left = bytes - off;
+        unsigned int size = left < L2_PREFETCH_PIECE ? (unsigned int)left : L2_PREFETCH_PIECE;
+#if L2_PREFETCH_EVICT_LAST
+        unsigned long long policy;
+        asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+        asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;"
+                     ::"l"(p + off), "r"(size), "l"(policy) : "memory");
+#else
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(size)
+                     : "memory");
+#endif
+    }
+#else
+    // Before sm_90: one 128-byte line per instruction.
+    for (unsigned long long off = (unsigned long long)t * 128; off < bytes;
+         off += (unsigned long long)threads * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+#endif
+}
+
+// grid (a few blocks), block 128; may be launched with PDL.
+extern "C" __global__ void l2_prefetch(const char* a, unsigned long long a_bytes, const char* b,
+                                       unsigned long long b_bytes, const char* c,
+                                       unsigned long long c_bytes, const char* d,
+                                       unsigned long long d_bytes) {
+    TD_SCOPE("l2_prefetch");
+    int t = blockIdx.x * blockDim.x + threadIdx.x, threads = gridDim.x * blockDim.x;
+    l2_prefetch_range(a, a_bytes, t, threads);
+    l2_prefetch_range(b, b_bytes, t, threads);
+    l2_prefetch_range(c, c_bytes, t, threads);
+    l2_prefetch_range(d, d_bytes, t, threads);
+    pdl_launch_dependents();
+    pdl_wait();
+}
+
 // Rotary embedding of the new tokens' queries and keys, then the write of their keys and values
 // into the pool at their slots, in one launch (what a RoPE kernel followed by a KV-write kernel
 // computes, the same arithmetic, so the same bits).

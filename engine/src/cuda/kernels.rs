@@ -69,6 +69,7 @@ pub const ENGINE: KernelSource = KernelSource {
         "topk_mask",
         "pick_partial",
         "pick_finish",
+        "l2_prefetch",
     ],
 };
 

@@ -525,6 +525,8 @@ struct Kernels {
     /// (`TAPEDECK_GEMV_STREAM`, cuda/tune.rs): the same bits as `gemv[0]` and `gemv_swiglu[0]`.
     gemv_stream: CudaFunction,
     gemv_stream_swiglu: CudaFunction,
+    /// L2 prefetch of weight ranges (`TAPEDECK_L2_PREFETCH`).
+    l2_prefetch: CudaFunction,
     topk_mask: CudaFunction,
     decode_combine: CudaFunction,
     pick_partial: CudaFunction,
@@ -657,6 +659,7 @@ impl Kernels {
             gemv_merged: rows(&fused, "gemv_bf16_merged")?,
             gemv_stream: f("gemv_stream_bf16_1")?,
             gemv_stream_swiglu: f("gemv_stream_swiglu_1")?,
+            l2_prefetch: f("l2_prefetch")?,
             topk_mask: f("topk_mask")?,
             pick_partial: f("pick_partial")?,
             pick_finish: f("pick_finish")?,
@@ -936,6 +939,9 @@ const GEMV_WARPS: usize = 8;
 /// Inputs one GEMV warp holds in its prefetched chunks (32 lanes × `GEMV_PRE` 8 × 8 bf16): the
 /// default longest slice (`TAPEDECK_GEMV_SLICE`, cuda/tune.rs, sets a shorter one).
 pub(crate) const GEMV_SLICE: usize = 2048;
+/// Blocks of the L2 prefetch kernel: with 128 threads each and 16 KB a request, 24 MB is one
+/// request a thread.
+const L2_PREFETCH_BLOCKS: usize = 12;
 
 /// Warps that share one output feature of a GEMV of `n` rows over `inp` inputs: doubled (up to
 /// a block) while a warp's slice is longer than what it prefetches, so a long row (the down
@@ -1424,6 +1430,28 @@ impl Gpu {
         }
     }
 
+    /// Asks the L2 for up to four byte ranges of weights (`l2_prefetch` in kernels/engine.cu),
+    /// launched with PDL so that it runs beside the kernel before it; only where PDL is (a plain
+    /// launch would add a kernel boundary to the step instead of hiding one).
+    fn l2_prefetch(&self, ranges: &[(u64, usize)]) -> Result<()> {
+        if ranges.is_empty() || !self.pdl_capable {
+            return Ok(());
+        }
+        let mut a = Args::new();
+        for i in 0..4 {
+            let (ptr, bytes) = ranges.get(i).copied().unwrap_or((0, 0));
+            a = a.p(ptr).p((bytes & !15) as u64);
+        }
+        a.launch_pdl(
+            &self.stream,
+            &self.k.l2_prefetch,
+            (L2_PREFETCH_BLOCKS, 1, 1),
+            128,
+            0,
+            true,
+        )
+    }
+
     /// Blocks of a GEMV launch over `groups` row groups: one per group, or at most
     /// `TAPEDECK_GEMV_GRID` per SM (the kernels then loop, see cuda/tune.rs).
     fn gemv_grid(&self, groups: usize) -> usize {
@@ -1630,6 +1658,22 @@ impl Backend for CudaBackend {
             t.path().display()
         )))
     }
+}
+
+/// The weight ranges of `layer` that `p` asks the L2 for during its attention: its o weights,
+/// then the first rows of gate and up (the rows the first blocks of the gate/up GEMV read).
+fn layer_prefetch(layer: &DevLayer, p: &tune::L2Prefetch) -> Vec<(u64, usize)> {
+    let mut ranges = Vec::new();
+    if p.o {
+        ranges.push((layer.o.w_bf16.ptr, layer.o.out * layer.o.inp * 2));
+    }
+    for l in [&layer.gate, &layer.up] {
+        let bytes = (p.mlp_bytes / 2).min(l.out * l.inp * 2);
+        if bytes > 0 {
+            ranges.push((l.w_bf16.ptr, bytes));
+        }
+    }
+    ranges
 }
 
 /// Everything one pass's launches read, fixed before the first of them: a captured graph
@@ -2090,6 +2134,11 @@ impl Inner {
                     self.gpu.linear(l, xin, n, y, pm)?;
                 }
             }
+            // While the attention runs, the L2 may fetch what the o and MLP GEMVs read next.
+            let prefetch = &tune::get().l2_prefetch;
+            if gemv && pdl && n == 1 && prefetch.any() {
+                self.gpu.l2_prefetch(&layer_prefetch(layer, prefetch))?;
+            }
             // The o projection's input: the attention output, or (fused) the mma kernel's splits.
             let mut o_in = GemvIn::F32(att);
             if !rope_fused {
@@ -2315,6 +2364,18 @@ impl Inner {
             };
             self.gpu
                 .gemv(&[(&self.head, pass.logits)], hin, r, false, pdl)?;
+            // Beside the head, the next step's first weights.
+            if let (true, 1, Some(first)) =
+                (pdl && tune::get().l2_prefetch.first, n, self.layers.first())
+            {
+                let bytes = |l: &DevLinear| (l.w_bf16.ptr, l.out * l.inp * 2);
+                self.gpu.l2_prefetch(&[
+                    bytes(&first.q),
+                    bytes(&first.k),
+                    bytes(&first.v),
+                    bytes(&first.o),
+                ])?;
+            }
         } else {
             let hin = norm_pdl(rows_in, self.norm.ptr, r, early)?;
             self.gpu.linear(&self.head, hin, r, pass.logits, pm)?;

@@ -27,6 +27,11 @@
 //!   stay resident and each warp keeps `GEMV_STREAM_DEPTH` (an NVRTC define, default 3) weight
 //!   rows in flight, with no block boundary between rows. The same bits as the default kernels
 //!   (0: one block per row group).
+//! - `TAPEDECK_L2_PREFETCH=mlp:N,o,first`: batch-1 GEMV steps ask the L2 for weights before the
+//!   kernel that reads them (`l2_prefetch` in kernels/engine.cu, launched with PDL beside the
+//!   kernel before): `mlp:N` the first N MB of each layer's gate and up rows (half each) and `o`
+//!   its o weights, both during its attention; `first` layer 0's q/k/v and o during the head
+//!   GEMV, for the next step. Unset: none. Values only change timing.
 //! - `TAPEDECK_FUSE=rope,merge,head`: which fusions `fuse=on` applies (default `rope,head`):
 //!   RoPE + KV write in the q/k/v GEMV, the split merge in the o GEMV, the final RMSNorm in the
 //!   head's GEMV. All give the same bits; the knob times each one (llama-1b batch-1 decode on an
@@ -83,6 +88,42 @@ impl Fusions {
     }
 }
 
+/// Which weights batch-1 GEMV steps prefetch into the L2 (see `TAPEDECK_L2_PREFETCH`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct L2Prefetch {
+    /// Bytes of each layer's gate/up weights (half from each) requested after its q/k/v GEMV.
+    pub mlp_bytes: usize,
+    /// Each layer's o weights, requested with them.
+    pub o: bool,
+    /// Layer 0's q/k/v and o weights, requested after the head GEMV for the next step.
+    pub first: bool,
+}
+
+impl L2Prefetch {
+    fn parse(list: Option<&str>) -> L2Prefetch {
+        let mut p = L2Prefetch::default();
+        for part in list.unwrap_or_default().split(',').map(str::trim) {
+            match part {
+                "" => {}
+                "o" => p.o = true,
+                "first" => p.first = true,
+                _ => match part.strip_prefix("mlp:").map(|n| n.trim().parse::<usize>()) {
+                    Some(Ok(mb)) if mb <= 256 => p.mlp_bytes = mb << 20,
+                    _ => tracing::warn!(
+                        "TAPEDECK_L2_PREFETCH: ignoring {part:?} (mlp:MB up to 256, o, first)"
+                    ),
+                },
+            }
+        }
+        p
+    }
+
+    /// Whether any prefetch is asked for.
+    pub fn any(&self) -> bool {
+        self.mlp_bytes > 0 || self.o || self.first
+    }
+}
+
 /// The knobs in effect for this process.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Tuning {
@@ -105,6 +146,8 @@ pub(crate) struct Tuning {
     pub mma_merge_in_kernel: bool,
     /// KV pools store f32 for every `kv_dtype` (`TAPEDECK_KV_STORAGE=f32`).
     pub kv_f32: bool,
+    /// L2 prefetches of weights in batch-1 GEMV steps.
+    pub l2_prefetch: L2Prefetch,
 }
 
 /// The default split floor. The engine's pool holds f32 (the `_f32kv` kernel, one tile in flight
@@ -200,6 +243,7 @@ impl Tuning {
             gemv_slice,
             mma_merge_in_kernel,
             kv_f32,
+            l2_prefetch: L2Prefetch::parse(var("TAPEDECK_L2_PREFETCH").as_deref()),
         }
     }
 }
@@ -255,6 +299,7 @@ mod tests {
                 gemv_slice: 2048,
                 mma_merge_in_kernel: false,
                 kv_f32: false,
+                l2_prefetch: L2Prefetch::default(),
             }
         );
         let t = parse(&[
@@ -296,5 +341,11 @@ mod tests {
             Some(std::path::Path::new("/tmp/t.csv"))
         );
         assert_eq!(traced.nvrtc_defines, ["-DTD_TRACE=1"]);
+        let p = parse(&[("TAPEDECK_L2_PREFETCH", "mlp:24, first,mlp:x,o2")]).l2_prefetch;
+        assert_eq!((p.mlp_bytes, p.o, p.first), (24 << 20, false, true));
+        assert!(p.any());
+        assert!(!parse(&[("TAPEDECK_L2_PREFETCH", "mlp:0,mlp:999")])
+            .l2_prefetch
+            .any());
     }
 }

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 15, call 2: L2 prefetch of the next GEMVs' weights during the attention
+# (TAPEDECK_L2_PREFETCH) in the batch-1 decode step, a trace with it, and the llama-1b GPU tests
+# with it on (it must change no value).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+. bench/cuda/gpu_env.sh > /dev/null
+export TAPEDECK_KERNEL_CACHE=/tmp/kc TAPEDECK_FIXTURES=$PWD/fixtures/models
+nvidia-smi --query-gpu=name --format=csv,noheader
+B=matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on,fuse=on,kv_dtype=bf16
+P=TAPEDECK_L2_PREFETCH
+REPS=2 bash bench/cuda/sweep.sh "X=1 $B" "$P=mlp:24 $B" "$P=mlp:24,o $B" "$P=mlp:40 $B" "$P=mlp:16,o,first $B" \
+  "$P=mlp:24,o+TAPEDECK_NVRTC_DEFINES=L2_PREFETCH_EVICT_LAST=1 $B" | tee $OUT/sweep512.md
+echo "at ${SECONDS}s"
+trace() {  # name knobs toggles
+  mapfile -t args < <(toggle_args "$3")
+  env $2 TAPEDECK_TRACE=/tmp/trace-$1.csv timeout 100 .device/tapedeck bench engine --device cuda --model llama-1b \
+    "${args[@]}" --prompt-len 512 --gen 64 --concurrency 0 --turns 0 > $OUT/trace-$1-bench.log 2>&1
+  grep -E "decode step" $OUT/trace-$1-bench.log
+  python3 bench/cuda/trace_summary.py /tmp/trace-$1.csv > $OUT/trace-$1.md 2>&1
+  head -1 $OUT/trace-$1.md
+  python3 bench/cuda/trace_blocks.py /tmp/trace-$1.csv --layer 3 --bytes @0=12.6 --bytes @4=8.4 \
+    --bytes gemv_bf16_swiglu_1=67.1 --bytes gemv_bf16_1/1024=33.6 | tee $OUT/blocks-$1.md
+}
+trace pf "$P=mlp:24,o" "$B"
+echo "at ${SECONDS}s"
+PROMPT=4096 REPS=1 bash bench/cuda/sweep.sh "X=1 $B" "$P=mlp:24,o $B" | tee $OUT/sweep4096.md
+echo "at ${SECONDS}s"
+TAPEDECK_L2_PREFETCH=mlp:24,o,first timeout 200 .device/test-cuda --test-threads=1 cuda_llama_1b > $OUT/tests.log 2>&1
+echo "tests exit $? at ${SECONDS}s"
+grep -E "^test |test result|panicked" $OUT/tests.log | cut -c1-200 | head
+echo "done at ${SECONDS}s"
