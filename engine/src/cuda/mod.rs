@@ -1660,12 +1660,17 @@ impl Backend for CudaBackend {
     }
 }
 
+/// All of a linear layer's bf16 weights, as an L2 prefetch range.
+fn whole(l: &DevLinear) -> (u64, usize) {
+    (l.w_bf16.ptr, l.out * l.inp * 2)
+}
+
 /// The weight ranges of `layer` that `p` asks the L2 for during its attention: its o weights,
 /// then the first rows of gate and up (the rows the first blocks of the gate/up GEMV read).
 fn layer_prefetch(layer: &DevLayer, p: &tune::L2Prefetch) -> Vec<(u64, usize)> {
     let mut ranges = Vec::new();
     if p.o {
-        ranges.push((layer.o.w_bf16.ptr, layer.o.out * layer.o.inp * 2));
+        ranges.push(whole(&layer.o));
     }
     for l in [&layer.gate, &layer.up] {
         let bytes = (p.mlp_bytes / 2).min(l.out * l.inp * 2);
@@ -2297,10 +2302,20 @@ impl Inner {
                 attention(rows, nr, 0, 0, pass.decode_bf16)?;
             }
             if gemv {
-                // x += o(att), then x += down(silu(gate(xn)) · up(xn)): three launches.
+                // x += o(att), then x += down(silu(gate(xn)) · up(xn)): three launches (and the
+                // L2 prefetches asked for beside them).
                 self.gpu.gemv(&[(&layer.o, x)], o_in, n, true, pdl)?;
+                if pdl && n == 1 && prefetch.down_bytes > 0 {
+                    let d = &layer.down;
+                    let bytes = prefetch.down_bytes.min(d.out * d.inp * 2);
+                    self.gpu.l2_prefetch(&[(d.w_bf16.ptr, bytes)])?;
+                }
                 let xin = gemv_normed(layer.mlp_norm.ptr)?;
                 self.gpu.swiglu(&layer.gate, &layer.up, xin, n, act, pdl)?;
+                if let (true, 1, Some(next)) = (pdl && prefetch.next, n, self.layers.get(li + 1)) {
+                    self.gpu
+                        .l2_prefetch(&[whole(&next.q), whole(&next.k), whole(&next.v)])?;
+                }
                 self.gpu
                     .gemv(&[(&layer.down, x)], GemvIn::Bf16(act), n, true, pdl)?;
                 continue;
@@ -2368,12 +2383,11 @@ impl Inner {
             if let (true, 1, Some(first)) =
                 (pdl && tune::get().l2_prefetch.first, n, self.layers.first())
             {
-                let bytes = |l: &DevLinear| (l.w_bf16.ptr, l.out * l.inp * 2);
                 self.gpu.l2_prefetch(&[
-                    bytes(&first.q),
-                    bytes(&first.k),
-                    bytes(&first.v),
-                    bytes(&first.o),
+                    whole(&first.q),
+                    whole(&first.k),
+                    whole(&first.v),
+                    whole(&first.o),
                 ])?;
             }
         } else {

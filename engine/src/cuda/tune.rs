@@ -26,12 +26,15 @@
 //!   streaming kernels (`gemv_stream_bf16_1`, `gemv_stream_swiglu_1`): K blocks per SM (1 or 2)
 //!   stay resident and each warp keeps `GEMV_STREAM_DEPTH` (an NVRTC define, default 3) weight
 //!   rows in flight, with no block boundary between rows. The same bits as the default kernels
-//!   (0: one block per row group).
-//! - `TAPEDECK_L2_PREFETCH=mlp:N,o,first`: batch-1 GEMV steps ask the L2 for weights before the
-//!   kernel that reads them (`l2_prefetch` in kernels/engine.cu, launched with PDL beside the
-//!   kernel before): `mlp:N` the first N MB of each layer's gate and up rows (half each) and `o`
-//!   its o weights, both during its attention; `first` layer 0's q/k/v and o during the head
-//!   GEMV, for the next step. Unset: none. Values only change timing.
+//!   (0: one block per row group). Measured slower (llama-1b batch-1 decode on an H100: 832 tok/s
+//!   with 0, 793 with 2, 652 with 1): a resident grid leaves no room for the next kernel's blocks
+//!   to launch early (PDL), and alone it streams no faster. Kept for other GPUs' sweeps.
+//! - `TAPEDECK_L2_PREFETCH=mlp:N,o,down:N,next,first`: batch-1 GEMV steps ask the L2 for weights
+//!   before the kernel that reads them (`l2_prefetch` in kernels/engine.cu, launched with PDL
+//!   beside the kernel before): `mlp:N` the first N MB of each layer's gate and up rows (half
+//!   each) and `o` its o weights, both during its attention; `down:N` the first N MB of its down
+//!   weights during gate/up; `next` the next layer's q/k/v weights during down; `first` layer 0's
+//!   q/k/v and o during the head GEMV, for the next step. Unset: none. Only timing changes.
 //! - `TAPEDECK_FUSE=rope,merge,head`: which fusions `fuse=on` applies (default `rope,head`):
 //!   RoPE + KV write in the q/k/v GEMV, the split merge in the o GEMV, the final RMSNorm in the
 //!   head's GEMV. All give the same bits; the knob times each one (llama-1b batch-1 decode on an
@@ -95,6 +98,10 @@ pub(crate) struct L2Prefetch {
     pub mlp_bytes: usize,
     /// Each layer's o weights, requested with them.
     pub o: bool,
+    /// Bytes of each layer's down weights requested after its o GEMV.
+    pub down_bytes: usize,
+    /// The next layer's q/k/v weights, requested after each gate/up GEMV.
+    pub next: bool,
     /// Layer 0's q/k/v and o weights, requested after the head GEMV for the next step.
     pub first: bool,
 }
@@ -107,12 +114,21 @@ impl L2Prefetch {
                 "" => {}
                 "o" => p.o = true,
                 "first" => p.first = true,
-                _ => match part.strip_prefix("mlp:").map(|n| n.trim().parse::<usize>()) {
-                    Some(Ok(mb)) if mb <= 256 => p.mlp_bytes = mb << 20,
-                    _ => tracing::warn!(
-                        "TAPEDECK_L2_PREFETCH: ignoring {part:?} (mlp:MB up to 256, o, first)"
-                    ),
-                },
+                "next" => p.next = true,
+                _ => {
+                    let mb = |prefix: &str| {
+                        let n = part.strip_prefix(prefix)?.trim().parse::<usize>().ok()?;
+                        (n <= 256).then_some(n << 20)
+                    };
+                    match (mb("mlp:"), mb("down:")) {
+                        (Some(b), _) => p.mlp_bytes = b,
+                        (_, Some(b)) => p.down_bytes = b,
+                        _ => tracing::warn!(
+                            "TAPEDECK_L2_PREFETCH: ignoring {part:?} \
+                             (mlp:MB, down:MB up to 256, o, next, first)"
+                        ),
+                    }
+                }
             }
         }
         p
@@ -120,7 +136,7 @@ impl L2Prefetch {
 
     /// Whether any prefetch is asked for.
     pub fn any(&self) -> bool {
-        self.mlp_bytes > 0 || self.o || self.first
+        self.mlp_bytes > 0 || self.o || self.down_bytes > 0 || self.next || self.first
     }
 }
 
@@ -341,8 +357,9 @@ mod tests {
             Some(std::path::Path::new("/tmp/t.csv"))
         );
         assert_eq!(traced.nvrtc_defines, ["-DTD_TRACE=1"]);
-        let p = parse(&[("TAPEDECK_L2_PREFETCH", "mlp:24, first,mlp:x,o2")]).l2_prefetch;
+        let p = parse(&[("TAPEDECK_L2_PREFETCH", "mlp:24, first,mlp:x,o2,down:8")]).l2_prefetch;
         assert_eq!((p.mlp_bytes, p.o, p.first), (24 << 20, false, true));
+        assert_eq!((p.down_bytes, p.next), (8 << 20, false));
         assert!(p.any());
         assert!(!parse(&[("TAPEDECK_L2_PREFETCH", "mlp:0,mlp:999")])
             .l2_prefetch
