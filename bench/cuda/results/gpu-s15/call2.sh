@@ -9,8 +9,8 @@ export TAPEDECK_KERNEL_CACHE=/tmp/kc TAPEDECK_FIXTURES=$PWD/fixtures/models
 nvidia-smi --query-gpu=name --format=csv,noheader
 B=matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on,fuse=on,kv_dtype=bf16
 P=TAPEDECK_L2_PREFETCH
-REPS=2 bash bench/cuda/sweep.sh "X=1 $B" "$P=mlp:24 $B" "$P=mlp:24,o $B" "$P=mlp:40 $B" "$P=mlp:16,o,first $B" \
-  "$P=mlp:24,o+TAPEDECK_NVRTC_DEFINES=L2_PREFETCH_EVICT_LAST=1 $B" "$P=mlp:24,o,down:16,next,first $B" | tee $OUT/sweep512.md
+REPS=2 bash bench/cuda/sweep.sh "X=1 $B" "$P=mlp:24,o $B" "$P=mlp:40 $B" "$P=mlp:24,o,down:16,next,first $B" \
+  "$P=mlp:24,o+TAPEDECK_NVRTC_DEFINES=L2_PREFETCH_EVICT_LAST=1 $B" | tee $OUT/sweep512.md
 echo "at ${SECONDS}s"
 trace() {  # name knobs toggles
   mapfile -t args < <(toggle_args "$3")
@@ -24,9 +24,7 @@ trace() {  # name knobs toggles
 }
 trace pf "$P=mlp:24,o" "$B"
 echo "at ${SECONDS}s"
-PROMPT=4096 REPS=1 bash bench/cuda/sweep.sh "X=1 $B" "$P=mlp:24,o $B" | tee $OUT/sweep4096.md
-echo "at ${SECONDS}s"
-TAPEDECK_L2_PREFETCH=mlp:24,o,down:16,next,first timeout 200 .device/test-cuda --test-threads=1 cuda_llama_1b > $OUT/tests.log 2>&1
+TAPEDECK_L2_PREFETCH=mlp:24,o,down:16,next,first timeout 150 .device/test-cuda --test-threads=1 cuda_llama_1b > $OUT/tests.log 2>&1
 echo "tests exit $? at ${SECONDS}s"
 grep -E "^test |test result|panicked" $OUT/tests.log | cut -c1-200 | head
 echo "done at ${SECONDS}s"
