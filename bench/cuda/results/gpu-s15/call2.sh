@@ -12,17 +12,8 @@ P=TAPEDECK_L2_PREFETCH
 REPS=2 bash bench/cuda/sweep.sh "X=1 $B" "$P=mlp:24,o $B" "$P=mlp:40 $B" "$P=mlp:24,o,down:16,next,first $B" \
   "$P=mlp:24,o+TAPEDECK_NVRTC_DEFINES=L2_PREFETCH_EVICT_LAST=1 $B" | tee $OUT/sweep512.md
 echo "at ${SECONDS}s"
-trace() {  # name knobs toggles
-  mapfile -t args < <(toggle_args "$3")
-  env $2 TAPEDECK_TRACE=/tmp/trace-$1.csv timeout 100 .device/tapedeck bench engine --device cuda --model llama-1b \
-    "${args[@]}" --prompt-len 512 --gen 64 --concurrency 0 --turns 0 > $OUT/trace-$1-bench.log 2>&1
-  grep -E "decode step" $OUT/trace-$1-bench.log
-  python3 bench/cuda/trace_summary.py /tmp/trace-$1.csv > $OUT/trace-$1.md 2>&1
-  head -1 $OUT/trace-$1.md
-  python3 bench/cuda/trace_blocks.py /tmp/trace-$1.csv --layer 3 --bytes @0=12.6 --bytes @4=8.4 \
-    --bytes gemv_bf16_swiglu_1=67.1 --bytes gemv_bf16_1/1024=33.6 | tee $OUT/blocks-$1.md
-}
-trace pf "$P=mlp:24,o" "$B"
+bash bench/cuda/trace_step.sh pf "$P=mlp:24,o" "$B" --layer 3 --bytes @0=12.6 --bytes @4=8.4 \
+  --bytes gemv_bf16_swiglu_1=67.1 --bytes gemv_bf16_1/1024=33.6
 echo "at ${SECONDS}s"
 TAPEDECK_L2_PREFETCH=mlp:24,o,down:16,next,first timeout 150 .device/test-cuda --test-threads=1 cuda_llama_1b > $OUT/tests.log 2>&1
 echo "tests exit $? at ${SECONDS}s"
