@@ -1432,14 +1432,16 @@ impl Gpu {
 
     /// Asks the L2 for up to four byte ranges of weights (`l2_prefetch` in kernels/engine.cu),
     /// launched with PDL so that it runs beside the kernel before it; only where PDL is (a plain
-    /// launch would add a kernel boundary to the step instead of hiding one).
+    /// launch would add a kernel boundary to the step instead of hiding one). Empty ranges are
+    /// left out, and with none nothing is launched.
     fn l2_prefetch(&self, ranges: &[(u64, usize)]) -> Result<()> {
-        if ranges.is_empty() || !self.pdl_capable {
+        let mut wanted = ranges.iter().filter(|r| r.1 >= 16).take(4);
+        if !self.pdl_capable || wanted.clone().next().is_none() {
             return Ok(());
         }
         let mut a = Args::new();
-        for i in 0..4 {
-            let (ptr, bytes) = ranges.get(i).copied().unwrap_or((0, 0));
+        for _ in 0..4 {
+            let (ptr, bytes) = wanted.next().copied().unwrap_or((0, 0));
             a = a.p(ptr).p((bytes & !15) as u64);
         }
         a.launch_pdl(
@@ -1660,25 +1662,10 @@ impl Backend for CudaBackend {
     }
 }
 
-/// All of a linear layer's bf16 weights, as an L2 prefetch range.
-fn whole(l: &DevLinear) -> (u64, usize) {
-    (l.w_bf16.ptr, l.out * l.inp * 2)
-}
-
-/// The weight ranges of `layer` that `p` asks the L2 for during its attention: its o weights,
-/// then the first rows of gate and up (the rows the first blocks of the gate/up GEMV read).
-fn layer_prefetch(layer: &DevLayer, p: &tune::L2Prefetch) -> Vec<(u64, usize)> {
-    let mut ranges = Vec::new();
-    if p.o {
-        ranges.push(whole(&layer.o));
-    }
-    for l in [&layer.gate, &layer.up] {
-        let bytes = (p.mlp_bytes / 2).min(l.out * l.inp * 2);
-        if bytes > 0 {
-            ranges.push((l.w_bf16.ptr, bytes));
-        }
-    }
-    ranges
+/// The first `bytes` of a linear layer's bf16 weights (all of them at most), as an L2 prefetch
+/// range: its first rows, which the first blocks of its GEMV read.
+fn prefix(l: &DevLinear, bytes: usize) -> (u64, usize) {
+    (l.w_bf16.ptr, bytes.min(l.out * l.inp * 2))
 }
 
 /// Everything one pass's launches read, fixed before the first of them: a captured graph
@@ -2106,6 +2093,10 @@ impl Inner {
         let (gemv, pdl) = (pass.linears != Linears::Cublas, pass.pdl);
         // FP8 KV scales each head by its amax: that mode keeps the separate RoPE + KV kernel.
         let rope_fused = pass.fuse.rope && pass.kv_mode <= 1;
+        // The L2 prefetches `TAPEDECK_L2_PREFETCH` asks for, in one-row GEMV passes with PDL.
+        let prefetch = tune::get().l2_prefetch;
+        let prefetching = gemv && pdl && n == 1 && prefetch.any();
+        let all = usize::MAX;
         for (li, layer) in self.layers.iter().enumerate() {
             let qkv = [(&layer.q, q), (&layer.k, k), (&layer.v, v)];
             let [kp, vp, ksc, vsc] = kv.layer(li);
@@ -2140,9 +2131,12 @@ impl Inner {
                 }
             }
             // While the attention runs, the L2 may fetch what the o and MLP GEMVs read next.
-            let prefetch = &tune::get().l2_prefetch;
-            if gemv && pdl && n == 1 && prefetch.any() {
-                self.gpu.l2_prefetch(&layer_prefetch(layer, prefetch))?;
+            if prefetching {
+                self.gpu.l2_prefetch(&[
+                    prefix(&layer.o, if prefetch.o { all } else { 0 }),
+                    prefix(&layer.gate, prefetch.mlp_bytes / 2),
+                    prefix(&layer.up, prefetch.mlp_bytes / 2),
+                ])?;
             }
             // The o projection's input: the attention output, or (fused) the mma kernel's splits.
             let mut o_in = GemvIn::F32(att);
@@ -2305,16 +2299,16 @@ impl Inner {
                 // x += o(att), then x += down(silu(gate(xn)) · up(xn)): three launches (and the
                 // L2 prefetches asked for beside them).
                 self.gpu.gemv(&[(&layer.o, x)], o_in, n, true, pdl)?;
-                if pdl && n == 1 && prefetch.down_bytes > 0 {
-                    let d = &layer.down;
-                    let bytes = prefetch.down_bytes.min(d.out * d.inp * 2);
-                    self.gpu.l2_prefetch(&[(d.w_bf16.ptr, bytes)])?;
+                if prefetching {
+                    self.gpu
+                        .l2_prefetch(&[prefix(&layer.down, prefetch.down_bytes)])?;
                 }
                 let xin = gemv_normed(layer.mlp_norm.ptr)?;
                 self.gpu.swiglu(&layer.gate, &layer.up, xin, n, act, pdl)?;
-                if let (true, 1, Some(next)) = (pdl && prefetch.next, n, self.layers.get(li + 1)) {
-                    self.gpu
-                        .l2_prefetch(&[whole(&next.q), whole(&next.k), whole(&next.v)])?;
+                if let (true, Some(next)) = (prefetching && prefetch.next, self.layers.get(li + 1))
+                {
+                    let [q, k, v] = [&next.q, &next.k, &next.v].map(|l| prefix(l, all));
+                    self.gpu.l2_prefetch(&[q, k, v])?;
                 }
                 self.gpu
                     .gemv(&[(&layer.down, x)], GemvIn::Bf16(act), n, true, pdl)?;
@@ -2380,15 +2374,9 @@ impl Inner {
             self.gpu
                 .gemv(&[(&self.head, pass.logits)], hin, r, false, pdl)?;
             // Beside the head, the next step's first weights.
-            if let (true, 1, Some(first)) =
-                (pdl && tune::get().l2_prefetch.first, n, self.layers.first())
-            {
-                self.gpu.l2_prefetch(&[
-                    whole(&first.q),
-                    whole(&first.k),
-                    whole(&first.v),
-                    whole(&first.o),
-                ])?;
+            if let (true, Some(first)) = (prefetching && prefetch.first, self.layers.first()) {
+                let [q, k, v, o] = [&first.q, &first.k, &first.v, &first.o].map(|l| prefix(l, all));
+                self.gpu.l2_prefetch(&[q, k, v, o])?;
             }
         } else {
             let hin = norm_pdl(rows_in, self.norm.ptr, r, early)?;
