@@ -939,9 +939,6 @@ const GEMV_WARPS: usize = 8;
 /// Inputs one GEMV warp holds in its prefetched chunks (32 lanes × `GEMV_PRE` 8 × 8 bf16): the
 /// default longest slice (`TAPEDECK_GEMV_SLICE`, cuda/tune.rs, sets a shorter one).
 pub(crate) const GEMV_SLICE: usize = 2048;
-/// Blocks of the L2 prefetch kernel: with 128 threads each and 16 KB a request, 24 MB is one
-/// request a thread.
-const L2_PREFETCH_BLOCKS: usize = 12;
 
 /// Warps that share one output feature of a GEMV of `n` rows over `inp` inputs: doubled (up to
 /// a block) while a warp's slice is longer than what it prefetches, so a long row (the down
@@ -1447,7 +1444,7 @@ impl Gpu {
         a.launch_pdl(
             &self.stream,
             &self.k.l2_prefetch,
-            (L2_PREFETCH_BLOCKS, 1, 1),
+            (tune::get().l2_prefetch.blocks, 1, 1),
             128,
             0,
             true,

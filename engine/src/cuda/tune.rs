@@ -34,7 +34,12 @@
 //!   beside the kernel before): `mlp:N` the first N MB of each layer's gate and up rows (half
 //!   each) and `o` its o weights, both during its attention; `down:N` the first N MB of its down
 //!   weights during gate/up; `next` the next layer's q/k/v weights during down; `first` layer 0's
-//!   q/k/v and o during the head GEMV, for the next step. Unset: none. Only timing changes.
+//!   q/k/v and o during the head GEMV, for the next step; `blocks:N` the launch's blocks (12).
+//!   Unset: none. Only timing changes. Measured slower in every form (llama-1b batch-1 decode on
+//!   an H100, docs/benchmarks.md "Sixteenth session"): 833 tok/s without; 619 with `mlp:24,o` on
+//!   12 blocks (the kernel lasts as long as its transfer, and the attention waits for it); 804
+//!   with `blocks:132` (it ends in 1 µs, but its traffic slows the q/k/v GEMV beside it, and the
+//!   GEMVs reading the prefetched rows are no faster).
 //! - `TAPEDECK_FUSE=rope,merge,head`: which fusions `fuse=on` applies (default `rope,head`):
 //!   RoPE + KV write in the q/k/v GEMV, the split merge in the o GEMV, the final RMSNorm in the
 //!   head's GEMV. All give the same bits; the knob times each one (llama-1b batch-1 decode on an
@@ -92,7 +97,7 @@ impl Fusions {
 }
 
 /// Which weights batch-1 GEMV steps prefetch into the L2 (see `TAPEDECK_L2_PREFETCH`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct L2Prefetch {
     /// Bytes of each layer's gate/up weights (half from each) requested after its q/k/v GEMV.
     pub mlp_bytes: usize,
@@ -104,6 +109,22 @@ pub(crate) struct L2Prefetch {
     pub next: bool,
     /// Layer 0's q/k/v and o weights, requested after the head GEMV for the next step.
     pub first: bool,
+    /// Blocks of the prefetch launch: each SM's copy engine issues its share of the pieces, so
+    /// few blocks make the kernel (which the next one waits for) last as long as the transfer.
+    pub blocks: usize,
+}
+
+impl Default for L2Prefetch {
+    fn default() -> L2Prefetch {
+        L2Prefetch {
+            mlp_bytes: 0,
+            o: false,
+            down_bytes: 0,
+            next: false,
+            first: false,
+            blocks: 12,
+        }
+    }
 }
 
 impl L2Prefetch {
@@ -120,12 +141,17 @@ impl L2Prefetch {
                         let n = part.strip_prefix(prefix)?.trim().parse::<usize>().ok()?;
                         (n <= 256).then_some(n << 20)
                     };
-                    match (mb("mlp:"), mb("down:")) {
-                        (Some(b), _) => p.mlp_bytes = b,
-                        (_, Some(b)) => p.down_bytes = b,
+                    let blocks = part
+                        .strip_prefix("blocks:")
+                        .and_then(|n| n.trim().parse::<usize>().ok())
+                        .filter(|n| (1..=1024).contains(n));
+                    match (mb("mlp:"), mb("down:"), blocks) {
+                        (Some(b), _, _) => p.mlp_bytes = b,
+                        (_, Some(b), _) => p.down_bytes = b,
+                        (_, _, Some(n)) => p.blocks = n,
                         _ => tracing::warn!(
                             "TAPEDECK_L2_PREFETCH: ignoring {part:?} \
-                             (mlp:MB, down:MB up to 256, o, next, first)"
+                             (mlp:MB, down:MB up to 256, o, next, first, blocks:1-1024)"
                         ),
                     }
                 }
@@ -357,10 +383,17 @@ mod tests {
             Some(std::path::Path::new("/tmp/t.csv"))
         );
         assert_eq!(traced.nvrtc_defines, ["-DTD_TRACE=1"]);
-        let p = parse(&[("TAPEDECK_L2_PREFETCH", "mlp:24, first,mlp:x,o2,down:8")]).l2_prefetch;
+        let p = parse(&[(
+            "TAPEDECK_L2_PREFETCH",
+            "mlp:24, first,mlp:x,o2,down:8,blocks:0",
+        )])
+        .l2_prefetch;
         assert_eq!((p.mlp_bytes, p.o, p.first), (24 << 20, false, true));
+        assert_eq!(p.blocks, 12, "0 blocks is out of range");
         assert_eq!((p.down_bytes, p.next), (8 << 20, false));
         assert!(p.any());
+        let p = parse(&[("TAPEDECK_L2_PREFETCH", "o,blocks:132")]).l2_prefetch;
+        assert_eq!((p.o, p.blocks), (true, 132));
         assert!(!parse(&[("TAPEDECK_L2_PREFETCH", "mlp:0,mlp:999")])
             .l2_prefetch
             .any());
