@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use hdrhistogram::Histogram;
 use rand::{Rng, SeedableRng};
+use tapedeck_engine::cuda;
 use tapedeck_engine::engine::EngineOptions;
 use tapedeck_engine::fixture::{self, FixtureSpec};
 use tapedeck_engine::scheduler::{EngineHandle, Event, SchedulerConfig};
@@ -137,6 +138,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         // Device time of the decode passes (after the first token), where the backend keeps it.
         let mut decode_busy = Vec::new();
         let device_time = || engine.backend().device_time();
+        // Where the CUDA backend's host time went in each run's decode passes, with the run's
+        // decode rate (all zeros on the CPU).
+        let mut host_decode = Vec::new();
         for _ in 0..3 {
             let req = request(
                 random_prompt(vocab, args.prompt_len, &mut rng),
@@ -144,8 +148,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 toggles,
             );
             let mut after_prefill = None;
+            let mut host_after_prefill = None;
             let out = engine.generate(&req, &mut |_| {
                 after_prefill = after_prefill.or_else(device_time);
+                host_after_prefill = host_after_prefill.or_else(|| Some(cuda::host_split()));
                 true
             })?;
             if let (Some((t0, n0)), Some((t1, n1))) = (after_prefill, device_time()) {
@@ -157,7 +163,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
             prefill.push(args.prompt_len as f64 / p);
             let d = out.timings.total.as_secs_f64()
                 - out.timings.first_token.unwrap_or_default().as_secs_f64();
-            decode.push((out.tokens.len() - 1) as f64 / d.max(1e-9));
+            let rate = (out.tokens.len() - 1) as f64 / d.max(1e-9);
+            decode.push(rate);
+            if let Some(h0) = host_after_prefill {
+                host_decode.push((rate, cuda::host_split().since(&h0)));
+            }
         }
         let decode_rate = median(decode);
         // The kernel timeline of these runs, when the backend records one (TAPEDECK_TRACE).
@@ -232,6 +242,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 100.0 * busy / step,
                 weight_bytes as f64 / busy / 1e9
             );
+            host_line(&mut host_decode);
         }
         let handle = EngineHandle::start(
             engine.clone(),
@@ -262,60 +273,24 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         for &c in &levels {
             let prompt_len = 64.min(args.prompt_len);
-            let gen = args.gen;
-            let reqs: Vec<GenerateRequest> = (0..c)
-                .map(|_| request(random_prompt(vocab, prompt_len, &mut rng), gen, toggles))
-                .collect();
-            let start = Instant::now();
-            let mut streams = Vec::new();
-            for r in reqs {
-                streams.push(handle.submit(r)?);
-            }
-            let mut itl = Histogram::<u64>::new(3)?;
-            let mut ttft = Histogram::<u64>::new(3)?;
-            let mut tokens = 0u64;
-            let threads: Vec<_> = streams
-                .into_iter()
-                .map(|mut s| {
-                    std::thread::spawn(move || {
-                        let mut gaps = Vec::new();
-                        let mut last: Option<Duration> = None;
-                        let mut first = None;
-                        while let Some(ev) = s.blocking_next() {
-                            match ev {
-                                Event::Token(t) => {
-                                    if let Some(l) = last {
-                                        gaps.push(t.elapsed - l);
-                                    } else {
-                                        first = Some(t.elapsed);
-                                    }
-                                    last = Some(t.elapsed);
-                                }
-                                Event::Done(_) | Event::Error(_) => break,
-                            }
-                        }
-                        (gaps, first)
-                    })
-                })
-                .collect();
-            for t in threads {
-                let (gaps, first) = t.join().map_err(|_| anyhow::anyhow!("reader panicked"))?;
-                tokens += gaps.len() as u64 + u64::from(first.is_some());
-                for g in gaps {
-                    itl.record(g.as_micros() as u64)?;
-                }
-                if let Some(f) = first {
-                    ttft.record(f.as_micros() as u64)?;
-                }
-            }
-            let secs = start.elapsed().as_secs_f64();
+            let mut batch = |gen: usize| {
+                let reqs: Vec<GenerateRequest> = (0..c)
+                    .map(|_| request(random_prompt(vocab, prompt_len, &mut rng), gen, toggles))
+                    .collect();
+                batch_round(&handle, reqs)
+            };
+            // An unmeasured round first: the level's first passes compile kernels for new shapes
+            // and capture the graphs of its batch sizes, which a single request at concurrency 1
+            // would otherwise count as its TTFT.
+            batch(args.gen.min(4))?;
+            let round = batch(args.gen)?;
             println!(
                 "{:>11} {:>14.1} {:>12.2} {:>12.2} {:>10.1} {:>14.1}",
                 c,
-                tokens as f64 / secs,
-                itl.value_at_quantile(0.5) as f64 / 1e3,
-                itl.value_at_quantile(0.99) as f64 / 1e3,
-                ttft.value_at_quantile(0.5) as f64 / 1e3,
+                round.tokens as f64 / round.secs,
+                round.itl.value_at_quantile(0.5) as f64 / 1e3,
+                round.itl.value_at_quantile(0.99) as f64 / 1e3,
+                round.ttft.value_at_quantile(0.5) as f64 / 1e3,
                 handle.stats().kv_peak_mib()
             );
         }
@@ -379,4 +354,89 @@ fn multi_turn(
         println!("{:>5} {:>10.1} {:>10.1} {:>7.2}", k + 1, on, off, on / off);
     }
     Ok(())
+}
+
+/// Prints where the host's time in the decode passes went (the CUDA backend's
+/// [`cuda::HostSplit`]) in the run of median decode rate, of `(rate, split)` per run, against
+/// that run's wall time per step: what is left is the scheduler's and the sampler's, outside the
+/// backend. (One run, not a mean: the first run's passes also capture graphs.)
+fn host_line(runs: &mut [(f64, cuda::HostSplit)]) {
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let Some(&(rate, split)) = runs.get(runs.len() / 2) else {
+        return;
+    };
+    if split.passes == 0 {
+        return;
+    }
+    let us = |d: std::time::Duration| d.as_secs_f64() * 1e6 / split.passes as f64;
+    let inside = us(split.prepare) + us(split.launch) + us(split.wait) + us(split.read);
+    println!(
+        "host per decode step: prepare {:.1} µs, launch {:.1} µs, wait for the device {:.1} µs, read {:.1} µs; outside the backend {:.1} µs",
+        us(split.prepare),
+        us(split.launch),
+        us(split.wait),
+        us(split.read),
+        1e6 / rate.max(1e-9) - inside
+    );
+}
+
+/// One round of the batched measurement: every request of `reqs` submitted at once, their
+/// streams read on threads of their own.
+struct Round {
+    itl: Histogram<u64>,
+    ttft: Histogram<u64>,
+    tokens: u64,
+    secs: f64,
+}
+
+/// Runs `reqs` through the scheduler together and measures them (see [`Round`]).
+fn batch_round(handle: &EngineHandle, reqs: Vec<GenerateRequest>) -> Result<Round> {
+    let start = Instant::now();
+    let mut streams = Vec::new();
+    for r in reqs {
+        streams.push(handle.submit(r)?);
+    }
+    let mut itl = Histogram::<u64>::new(3)?;
+    let mut ttft = Histogram::<u64>::new(3)?;
+    let mut tokens = 0u64;
+    let threads: Vec<_> = streams
+        .into_iter()
+        .map(|mut s| {
+            std::thread::spawn(move || {
+                let mut gaps = Vec::new();
+                let mut last: Option<Duration> = None;
+                let mut first = None;
+                while let Some(ev) = s.blocking_next() {
+                    match ev {
+                        Event::Token(t) => {
+                            if let Some(l) = last {
+                                gaps.push(t.elapsed - l);
+                            } else {
+                                first = Some(t.elapsed);
+                            }
+                            last = Some(t.elapsed);
+                        }
+                        Event::Done(_) | Event::Error(_) => break,
+                    }
+                }
+                (gaps, first)
+            })
+        })
+        .collect();
+    for t in threads {
+        let (gaps, first) = t.join().map_err(|_| anyhow::anyhow!("reader panicked"))?;
+        tokens += gaps.len() as u64 + u64::from(first.is_some());
+        for g in gaps {
+            itl.record(g.as_micros() as u64)?;
+        }
+        if let Some(f) = first {
+            ttft.record(f.as_micros() as u64)?;
+        }
+    }
+    Ok(Round {
+        itl,
+        ttft,
+        tokens,
+        secs: start.elapsed().as_secs_f64(),
+    })
 }

@@ -14,8 +14,8 @@ set -uo pipefail
 export TAPEDECK_KERNEL_CACHE=${TAPEDECK_KERNEL_CACHE:-/tmp/tapedeck-kernel-cache}
 bin=${BIN:-.device/tapedeck}
 log=$(mktemp)
-echo "| knobs | toggles | decode tok/s | device µs per step | wall µs per step |"
-echo "|---|---|---|---|---|"
+echo "| knobs | toggles | decode tok/s | device µs per step | wall µs per step | host µs: prepare / launch / wait / read / outside |"
+echo "|---|---|---|---|---|---|"
 for rep in $(seq "${REPS:-2}"); do
   for cfg in "$@"; do
     knobs=${cfg%% *} toggles=${cfg#* }
@@ -27,7 +27,8 @@ for rep in $(seq "${REPS:-2}"); do
     tok=$(grep -oE 'decode [0-9.]+ tokens/s' "$log" | grep -oE '[0-9.]+' | head -1)
     dev=$(grep -oE '[0-9.]+ µs on the device' "$log" | grep -oE '^[0-9.]+' | head -1)
     wall=$(grep -oE 'decode step: [0-9.]+ µs wall' "$log" | grep -oE '[0-9.]+' | head -1)
-    echo "| $knobs | $toggles | ${tok:-failed} | ${dev:--} | ${wall:--} |"
+    host=$(grep -oE 'host per decode step: .*' "$log" | grep -oE '[0-9.]+ µs' | grep -oE '[0-9.]+' | paste -sd/ | sed 's|/| / |g')
+    echo "| $knobs | $toggles | ${tok:-failed} | ${dev:--} | ${wall:--} | ${host:--} |"
     [ -n "$tok" ] || tail -3 "$log" | sed 's/^/    /'
   done
 done

@@ -14,6 +14,7 @@
 //! (cuBLAS chooses its own), so f32 results agree with the CPU to about 1e-6 relative per layer.
 
 pub mod check;
+mod host;
 pub mod kernels;
 mod meta;
 mod step;
@@ -34,6 +35,8 @@ use crate::model::{KvPool, Logits, Model, Segment, WantLogits};
 use crate::models::llama::{batch_positions, Linear};
 use crate::numerics::round_bf16;
 use crate::toggles::{AttnDecode, AttnPrefill, KvDtype, Pdl, Precision, SmallGemm, Toggles};
+pub use host::{host_split, HostSplit};
+use host::{Laps, Part, Pinned};
 use meta::{build_meta, device_pick, parse_pick, pick_words, Meta, Pad, PICK_CHUNK};
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -1150,6 +1153,8 @@ struct Inner {
     timing: (CudaEvent, CudaEvent),
     /// The persistent decode-step kernel, compiled on first use (`megakernel=on`).
     mega: Option<step::Megakernel>,
+    /// Page-locked buffers for the per-pass copies (`TAPEDECK_HOST_COPIES=pinned`), else none.
+    pinned: Option<Pinned>,
 }
 
 /// An event that records a time stamp (for [`Backend::device_time`]).
@@ -1219,6 +1224,11 @@ impl CudaBackend {
             graphs: Default::default(),
             timing: (timing_event(&ctx)?, timing_event(&ctx)?),
             mega: None,
+            pinned: if tune::get().pinned {
+                Some(Pinned::new(&ctx)?)
+            } else {
+                None
+            },
             gemv_fits: [
                 cfg.hidden_size,
                 cfg.num_heads * cfg.head_dim,
@@ -1584,6 +1594,7 @@ impl Backend for CudaBackend {
         segs: &mut [Segment<'_>],
         toggles: &Toggles,
     ) -> Result<Vec<Logits>> {
+        let mut laps = Laps::start();
         let cfg = &self.cfg;
         let bs = pool.block_size();
         let where_ = batch_positions(cfg, self.context_len, bs, segs)?;
@@ -1599,16 +1610,20 @@ impl Backend for CudaBackend {
         let kv = pool.device_mut()?;
         let pad = graph_pad(segs, toggles);
         let pass = inner.prepare(&self.ctx, cfg, segs, &where_, bs, toggles, pad, kv)?;
+        laps.lap(Part::Prepare);
         inner
             .timing
             .0
             .record(&inner.gpu.stream)
             .map_err(|e| dev_err("recording a timing event", e))?;
-        // SAFETY: the meta buffer holds at least `meta.data.len()` i32s.
-        unsafe {
-            dr::memcpy_htod_async(pass.meta_ptr, &pass.meta.data, inner.gpu.stream.cu_stream())
+        match &mut inner.pinned {
+            Some(pinned) => pinned.upload(pass.meta_ptr, &pass.meta.data, &inner.gpu.stream)?,
+            // SAFETY: the meta buffer holds at least `meta.data.len()` i32s.
+            None => unsafe {
+                dr::memcpy_htod_async(pass.meta_ptr, &pass.meta.data, inner.gpu.stream.cu_stream())
+            }
+            .map_err(|e| dev_err("uploading batch indices", e))?,
         }
-        .map_err(|e| dev_err("uploading batch indices", e))?;
         match pad {
             None => inner.record(cfg, kv, &pass)?,
             Some(pad) => inner.replay(cfg, kv, &pass, pad, toggles)?,
@@ -1624,7 +1639,8 @@ impl Backend for CudaBackend {
         for sg in segs.iter_mut() {
             sg.table.len += sg.tokens.len();
         }
-        let out = inner.collect(segs, &pass, cfg.vocab_size)?;
+        laps.lap(Part::Launch);
+        let out = inner.collect(segs, &pass, cfg.vocab_size, &mut laps)?;
         // Both events have completed: collect waited for the stream.
         let (start, end) = &inner.timing;
         let ms = start
@@ -1633,6 +1649,7 @@ impl Backend for CudaBackend {
         let ns = (f64::from(ms.max(0.0)) * 1e6) as u64;
         self.busy_ns.fetch_add(ns, Ordering::Relaxed);
         self.passes.fetch_add(1, Ordering::Relaxed);
+        laps.finish();
         Ok(out)
     }
 
@@ -2413,16 +2430,34 @@ impl Inner {
     }
 
     /// Copies back what each segment asked for (picked tokens, or whole rows) and waits for the
-    /// pass to finish.
-    fn collect(&self, segs: &[Segment<'_>], pass: &Pass, vocab: usize) -> Result<Vec<Logits>> {
+    /// pass to finish (timed as [`Part::Wait`] in `laps`).
+    fn collect(
+        &mut self,
+        segs: &[Segment<'_>],
+        pass: &Pass,
+        vocab: usize,
+        laps: &mut Laps,
+    ) -> Result<Vec<Logits>> {
         let meta = &pass.meta;
         let stream = self.gpu.stream.cu_stream();
         let words = pick_words(meta.pick_k);
-        let mut picks = vec![0u32; meta.n_picks * words];
-        if let Some((_, _, out, _)) = pass.pick {
+        let n_words = meta.n_picks * words;
+        let pinned = self.pinned.as_mut().filter(|_| pass.pick.is_some());
+        let mut picks = if pinned.is_some() {
+            Vec::new()
+        } else {
+            vec![0u32; n_words]
+        };
+        match (pass.pick, pinned) {
+            (Some((_, _, out, _)), Some(pinned)) => {
+                pinned.download(out, n_words, &self.gpu.stream)?;
+            }
             // SAFETY: the buffer holds n_picks × pick_words(pick_k) words.
-            unsafe { dr::memcpy_dtoh_async(&mut picks, out, stream) }
-                .map_err(|e| dev_err("downloading picked tokens", e))?;
+            (Some((_, _, out, _)), None) => {
+                unsafe { dr::memcpy_dtoh_async(&mut picks, out, stream) }
+                    .map_err(|e| dev_err("downloading picked tokens", e))?
+            }
+            (None, _) => {}
         }
         // Rows for the segments that sample on the host (or keep more alternatives than the
         // device picks), each segment's rows contiguous in the logits buffer.
@@ -2444,6 +2479,11 @@ impl Inner {
             .stream
             .synchronize()
             .map_err(|e| dev_err("forward pass", e))?;
+        laps.lap(Part::Wait);
+        let picks = match (&mut self.pinned, pass.pick) {
+            (Some(pinned), Some(_)) => pinned.downloaded(n_words)?,
+            _ => &picks[..],
+        };
         Ok(segs
             .iter()
             .zip(rows)

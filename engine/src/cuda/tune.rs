@@ -49,6 +49,9 @@
 //!   to it, as before the packed pools), instead of `packed` (the default: bf16 bits for bf16,
 //!   FP8 codes + scales for FP8). The same numbers either way; the knob times the storage alone
 //!   (`_f32kv` against `_bf16kv` reads) and is a fallback should a packed kernel misbehave.
+//! - `TAPEDECK_HOST_COPIES=pinned`: each pass's index upload and picked-token download go
+//!   through page-locked host buffers, kept and grown as needed, instead of the pageable
+//!   vectors (`pageable`, the default): the driver then copies them by DMA with no staging copy.
 //! - `TAPEDECK_TRACE=path`: compile the kernels with `TD_TRACE=1` and record a per-block timeline
 //!   of every launch (cuda/trace.rs), saved to `path` as CSV by `bench engine`.
 
@@ -188,6 +191,9 @@ pub(crate) struct Tuning {
     pub mma_merge_in_kernel: bool,
     /// KV pools store f32 for every `kv_dtype` (`TAPEDECK_KV_STORAGE=f32`).
     pub kv_f32: bool,
+    /// The per-pass index upload and token download go through page-locked host buffers
+    /// (`TAPEDECK_HOST_COPIES=pinned`).
+    pub pinned: bool,
     /// L2 prefetches of weights in batch-1 GEMV steps.
     pub l2_prefetch: L2Prefetch,
 }
@@ -259,22 +265,9 @@ impl Tuning {
         if trace.is_some() {
             nvrtc_defines.push("-DTD_TRACE=1".into());
         }
-        let mma_merge_in_kernel = match var("TAPEDECK_MMA_MERGE").as_deref().map(str::trim) {
-            None | Some("kernel") => false,
-            Some("in-kernel") => true,
-            Some(other) => {
-                tracing::warn!("TAPEDECK_MMA_MERGE: want in-kernel or kernel, not {other:?}");
-                false
-            }
-        };
-        let kv_f32 = match var("TAPEDECK_KV_STORAGE").as_deref().map(str::trim) {
-            None | Some("packed") => false,
-            Some("f32") => true,
-            Some(other) => {
-                tracing::warn!("TAPEDECK_KV_STORAGE: want packed or f32, not {other:?}");
-                false
-            }
-        };
+        let mma_merge_in_kernel = second(&var, "TAPEDECK_MMA_MERGE", ["kernel", "in-kernel"]);
+        let kv_f32 = second(&var, "TAPEDECK_KV_STORAGE", ["packed", "f32"]);
+        let pinned = second(&var, "TAPEDECK_HOST_COPIES", ["pageable", "pinned"]);
         Tuning {
             nvrtc_defines,
             split_min,
@@ -285,7 +278,22 @@ impl Tuning {
             gemv_slice,
             mma_merge_in_kernel,
             kv_f32,
+            pinned,
             l2_prefetch: L2Prefetch::parse(var("TAPEDECK_L2_PREFETCH").as_deref()),
+        }
+    }
+}
+
+/// Whether variable `name` (read through `var`) names the second of its two values: unset or
+/// anything else (with a warning) is the first, the default.
+fn second(var: impl Fn(&str) -> Option<String>, name: &str, values: [&str; 2]) -> bool {
+    match var(name).as_deref().map(str::trim) {
+        None => false,
+        Some(v) if v == values[0] => false,
+        Some(v) if v == values[1] => true,
+        Some(other) => {
+            tracing::warn!("{name}: want {} or {}, not {other:?}", values[0], values[1]);
+            false
         }
     }
 }
@@ -341,6 +349,7 @@ mod tests {
                 gemv_slice: 2048,
                 mma_merge_in_kernel: false,
                 kv_f32: false,
+                pinned: false,
                 l2_prefetch: L2Prefetch::default(),
             }
         );
@@ -365,6 +374,8 @@ mod tests {
         assert_eq!(parse(&[("TAPEDECK_GEMV_STREAM", "2")]).gemv_stream, 2);
         assert!(!t.kv_f32, "fp16 is not a storage choice");
         assert!(parse(&[("TAPEDECK_KV_STORAGE", "f32")]).kv_f32);
+        assert!(parse(&[("TAPEDECK_HOST_COPIES", " pinned")]).pinned);
+        assert!(!parse(&[("TAPEDECK_HOST_COPIES", "locked")]).pinned);
         assert_eq!(parse(&[("TAPEDECK_MMA_SPLIT_MIN", "64")]).split_min, 64);
         assert_eq!(parse(&[("TAPEDECK_GEMV_SLICE", "512")]).gemv_slice, 512);
         let grid = parse(&[("TAPEDECK_GEMV_GRID", "2")]);
