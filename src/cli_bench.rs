@@ -79,9 +79,10 @@ pub fn peak_rss_mib() -> Option<f64> {
     Some(kb / 1024.0)
 }
 
+/// The middle value (the upper one of an even count), NaN for none.
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn random_prompt(vocab: usize, n: usize, rng: &mut impl Rng) -> Vec<u32> {
@@ -147,27 +148,32 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 args.gen,
                 toggles,
             );
-            let mut after_prefill = None;
-            let mut host_after_prefill = None;
-            let out = engine.generate(&req, &mut |_| {
-                after_prefill = after_prefill.or_else(device_time);
-                host_after_prefill = host_after_prefill.or_else(|| Some(cuda::host_split()));
+            // Decode is timed from the second token: the first decode step also captures the
+            // step's CUDA graph for this request's new cache (a one-off a server's fixed pool
+            // does not pay), which would otherwise count against every step here.
+            let mut seen = 0usize;
+            let mut from = None;
+            let out = engine.generate(&req, &mut |ev| {
+                seen += 1;
+                if seen == 2 {
+                    from = Some((ev.elapsed, device_time(), cuda::host_split()));
+                }
                 true
             })?;
-            if let (Some((t0, n0)), Some((t1, n1))) = (after_prefill, device_time()) {
-                if n1 > n0 {
-                    decode_busy.push((t1 - t0).as_secs_f64() / (n1 - n0) as f64);
-                }
-            }
             let p = out.timings.prefill.as_secs_f64();
             prefill.push(args.prompt_len as f64 / p);
-            let d = out.timings.total.as_secs_f64()
-                - out.timings.first_token.unwrap_or_default().as_secs_f64();
-            let rate = (out.tokens.len() - 1) as f64 / d.max(1e-9);
+            let Some((t0, dev0, host0)) = from else {
+                continue;
+            };
+            let steps = out.tokens.len().saturating_sub(2).max(1);
+            let rate = steps as f64 / (out.timings.total - t0).as_secs_f64().max(1e-9);
             decode.push(rate);
-            if let Some(h0) = host_after_prefill {
-                host_decode.push((rate, cuda::host_split().since(&h0)));
+            if let (Some((b0, n0)), Some((b1, n1))) = (dev0, device_time()) {
+                if n1 > n0 {
+                    decode_busy.push((b1 - b0).as_secs_f64() / (n1 - n0) as f64);
+                }
             }
+            host_decode.push((rate, cuda::host_split().since(&host0)));
         }
         let decode_rate = median(decode);
         // The kernel timeline of these runs, when the backend records one (TAPEDECK_TRACE).
