@@ -13,9 +13,12 @@ use std::sync::Arc;
 use cudarc::driver::result as dr;
 use cudarc::driver::{CudaContext, CudaStream};
 
-use super::Precision;
-use super::{bf16_bits, dev_err, probe, timing_event, Args, DevBuf, DevLinear, GemvIn, Gpu};
-use super::{kernels, GEMV_MAX_ROWS, GEMV_NORM_SMEM};
+use super::launch::Args;
+use super::linears::{
+    bf16_bits, gemv_splits, DevLinear, GemvIn, GEMV_MAX_ROWS, GEMV_NORM_SMEM, GEMV_SLICE,
+};
+use super::memory::DevBuf;
+use super::{dev_err, kernels, probe, timing_event, Gpu, Precision};
 use crate::error::{Error, Result};
 
 /// One few-token linear layer: `y (n, out) = bf16(x) · bf16(W)ᵀ (+ b)`, added to `residual`
@@ -246,7 +249,7 @@ pub fn gemv(ordinal: usize, case: &GemvCase<'_>, reps: usize) -> Result<KernelRu
     let cublas_y = download(&gpu, &y, n * out)?;
     let ours_us = time(&ctx, &gpu.stream, reps, ours)?;
     let cublas_us = time(&ctx, &gpu.stream, reps, theirs)?;
-    let slice = inp / super::gemv_splits(inp, n, super::GEMV_SLICE);
+    let slice = inp / gemv_splits(inp, n, GEMV_SLICE);
     let stream = stream_runs(
         &ctx,
         &gpu,

@@ -436,9 +436,9 @@ mod tests {
                     .unwrap_or_else(|| panic!("{} lacks {e}", src.name));
                 let n = parameters(src.code, parenthesised(src.code, at));
                 assert!(
-                    n <= crate::cuda::MAX_KERNEL_ARGS,
+                    n <= crate::cuda::launch::MAX_KERNEL_ARGS,
                     "{e} takes {n} parameters, a launch holds {}",
-                    crate::cuda::MAX_KERNEL_ARGS
+                    crate::cuda::launch::MAX_KERNEL_ARGS
                 );
                 if n > longest.1 {
                     longest = (e, n);

@@ -12,8 +12,10 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 
-use super::{bias, dev_err, kernels, launch_ex, load_module, load_with_smem, LaunchAttr};
-use super::{DevBuf, DevLayer, DeviceKv, KvElem};
+use super::launch::{launch_ex, load_function, load_module, load_with_smem, LaunchAttr};
+use super::linears::{bias, DevLayer};
+use super::memory::{DevBuf, DeviceKv, KvElem};
+use super::{dev_err, kernels};
 use crate::error::{Error, Result};
 
 /// One layer's device pointers, as `MkLayer` in decode_step.cu (same order).
@@ -135,7 +137,7 @@ impl Megakernel {
             ));
         }
         Ok(Megakernel {
-            bench: super::load_function(&module, "grid_sync_bench")?,
+            bench: load_function(&module, "grid_sync_bench")?,
             funcs,
             grid: sms * per_sm,
             bar: DevBuf::from_slice(ctx, &[0u32; 2])?,

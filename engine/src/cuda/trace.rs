@@ -16,7 +16,8 @@ use std::sync::Arc;
 use cudarc::driver::result as dr;
 use cudarc::driver::{CudaContext, CudaModule, CudaStream};
 
-use super::{dev_err, kernels, DevBuf};
+use super::memory::DevBuf;
+use super::{dev_err, kernels};
 use crate::error::{Error, Result};
 
 /// Events the buffer holds (32 bytes each: 128 MiB; a llama-1b decode step launches ~60k

@@ -241,7 +241,7 @@ impl Tuning {
         let gemv_slice = number(
             &var,
             "TAPEDECK_GEMV_SLICE",
-            super::GEMV_SLICE,
+            super::linears::GEMV_SLICE,
             |n| [256, 512, 1024, 2048].contains(&n),
             "256, 512, 1024 or 2048",
         );

@@ -1,0 +1,376 @@
+//! Kernels and their launches: the compiled module's entry points ([`Kernels`], one
+//! [`PoolKernels`] set per KV element type) and the argument packing and launch attributes
+//! (PDL, dynamic shared memory) of a launch ([`Args`]).
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::result as dr;
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+
+use super::linears::GEMV_MAX_ROWS;
+use super::memory::KvElem;
+use super::{dev_err, kernels, trace};
+use crate::error::Result;
+
+/// The kernels that read or write the KV pool, for one element type ([`KvElem`]).
+pub(super) struct PoolKernels {
+    pub(super) rope_kv_write: CudaFunction,
+    /// q/k/v with RoPE and the KV write in the epilogue (`fuse=on`), per row count like `gemv`
+    /// (none for FP8, whose per-head scale needs the whole head: that pool keeps rope_kv_write).
+    pub(super) gemv_qkv_rope: Vec<CudaFunction>,
+    pub(super) attention: CudaFunction,
+    pub(super) attention_scores: CudaFunction,
+    /// The tensor-core decode kernel (`attn_decode=mma-bf16`).
+    pub(super) decode_mma: CudaFunction,
+    /// The tiled prefill kernel for this model's head_dim (none for other head dims).
+    pub(super) prefill: Option<CudaFunction>,
+    /// The tensor-core prefill kernel (`attn_prefill=mma-bf16`; head_dim 64 and 128 only, the
+    /// others run `prefill` with its bf16 roundings).
+    pub(super) prefill_mma: Option<CudaFunction>,
+}
+
+/// Loaded kernel entry points.
+pub(super) struct Kernels {
+    pub(super) embed_gather: CudaFunction,
+    pub(super) rms_norm: CudaFunction,
+    pub(super) silu_mul: CudaFunction,
+    pub(super) scatter_rows: CudaFunction,
+    pub(super) add_inplace: CudaFunction,
+    pub(super) add_bias: CudaFunction,
+    pub(super) f32_to_bf16: CudaFunction,
+    /// The GEMV kernels for 1..=GEMV_MAX_ROWS rows (index rows - 1).
+    pub(super) gemv: Vec<CudaFunction>,
+    pub(super) gemv_swiglu: Vec<CudaFunction>,
+    /// The o projection that merges the mma kernel's splits as it reads them (`fuse=on`), per
+    /// row count like `gemv`.
+    pub(super) gemv_merged: Vec<CudaFunction>,
+    /// The one-row GEMV and gate/up kernels on a resident grid, each warp streaming its rows
+    /// (`TAPEDECK_GEMV_STREAM`, cuda/tune.rs): the same bits as `gemv[0]` and `gemv_swiglu[0]`.
+    pub(super) gemv_stream: CudaFunction,
+    pub(super) gemv_stream_swiglu: CudaFunction,
+    /// L2 prefetch of weight ranges (`TAPEDECK_L2_PREFETCH`).
+    pub(super) l2_prefetch: CudaFunction,
+    pub(super) topk_mask: CudaFunction,
+    pub(super) decode_combine: CudaFunction,
+    pub(super) pick_partial: CudaFunction,
+    pub(super) pick_finish: CudaFunction,
+    /// The pool's readers and writers, indexed by [`KvElem::index`].
+    pub(super) pool: [PoolKernels; 3],
+}
+
+impl Kernels {
+    /// The pool kernels for pools of `elem`.
+    pub(super) fn pool(&self, elem: KvElem) -> &PoolKernels {
+        &self.pool[elem.index()]
+    }
+}
+
+/// A compiled kernel file on the device, pointed at the kernel timeline when tracing.
+pub(super) fn load_module(
+    ctx: &Arc<CudaContext>,
+    src: &kernels::KernelSource,
+    arch: &str,
+    trace: Option<(&trace::Trace, &Arc<CudaStream>)>,
+) -> Result<Arc<cudarc::driver::CudaModule>> {
+    let module = ctx
+        .load_module(cudarc::nvrtc::Ptx::from_src(kernels::ptx(src, arch)?))
+        .map_err(|e| dev_err(&format!("loading kernels/{}", src.name), e))?;
+    if let Some((t, stream)) = trace {
+        t.attach(&module, stream)?;
+    }
+    Ok(module)
+}
+
+/// An entry point of a loaded module.
+pub(super) fn load_function(
+    module: &Arc<cudarc::driver::CudaModule>,
+    name: &str,
+) -> Result<CudaFunction> {
+    module
+        .load_function(name)
+        .map_err(|e| dev_err(&format!("kernel {name}"), e))
+}
+
+/// An entry point that takes `smem` bytes of dynamic shared memory (above the default 48 KB, so
+/// its limit is raised first).
+pub(super) fn load_with_smem(
+    module: &Arc<cudarc::driver::CudaModule>,
+    name: &str,
+    smem: usize,
+) -> Result<CudaFunction> {
+    let f = load_function(module, name)?;
+    // SAFETY: a valid function handle; every caller's size is within sm_80+'s 99 KB opt-in limit.
+    unsafe {
+        cudarc::driver::sys::cuFuncSetAttribute(
+            f.cu_function(),
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+    }
+    .result()
+    .map_err(|e| dev_err(&format!("raising {name}'s shared-memory limit"), e))?;
+    Ok(f)
+}
+
+impl Kernels {
+    pub(super) fn load(
+        ctx: &Arc<CudaContext>,
+        arch: &str,
+        head_dim: usize,
+        trace: Option<(&trace::Trace, &Arc<CudaStream>)>,
+    ) -> Result<Self> {
+        let module = load_module(ctx, &kernels::ENGINE, arch, trace)?;
+        let f = |name: &str| load_function(&module, name);
+        let mma = load_module(ctx, &kernels::DECODE_MMA, arch, trace)?;
+        let fused = load_module(ctx, &kernels::FUSED, arch, trace)?;
+        let rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str| {
+            (1..=GEMV_MAX_ROWS)
+                .map(|n| load_function(m, &format!("{stem}_{n}")))
+                .collect::<Result<Vec<_>>>()
+        };
+        let prefill = match head_dim {
+            32 | 64 | 128 => Some(load_module(ctx, &kernels::PREFILL, arch, trace)?),
+            _ => None,
+        };
+        let prefill_mma = match head_dim {
+            64 | 128 => Some(load_module(ctx, &kernels::PREFILL_MMA, arch, trace)?),
+            _ => None,
+        };
+        let pool = |elem: KvElem| -> Result<PoolKernels> {
+            let sfx = elem.suffix();
+            let mma_name = format!("decode_attn_mma{}", elem.mma_suffix());
+            Ok(PoolKernels {
+                rope_kv_write: f(&format!("rope_kv_write{sfx}"))?,
+                gemv_qkv_rope: match elem {
+                    KvElem::Fp8 => Vec::new(),
+                    _ => rows(&module, &format!("gemv_bf16_qkv_rope{sfx}"))?,
+                },
+                attention: f(&format!("attention{sfx}"))?,
+                attention_scores: f(&format!("attention_scores{sfx}"))?,
+                decode_mma: load_with_smem(&mma, &mma_name, kernels::DECODE_MMA_SMEM)?,
+                prefill: prefill
+                    .as_ref()
+                    .map(|m| {
+                        load_with_smem(
+                            m,
+                            &format!("prefill_attention{sfx}_hd{head_dim}"),
+                            kernels::prefill_smem(head_dim),
+                        )
+                    })
+                    .transpose()?,
+                prefill_mma: prefill_mma
+                    .as_ref()
+                    .map(|m| {
+                        load_with_smem(
+                            m,
+                            &format!("prefill_attn_mma{}_hd{head_dim}", elem.mma_suffix()),
+                            kernels::prefill_mma_smem(head_dim, elem.bytes()),
+                        )
+                    })
+                    .transpose()?,
+            })
+        };
+        Ok(Kernels {
+            pool: [pool(KvElem::F32)?, pool(KvElem::Bf16)?, pool(KvElem::Fp8)?],
+            decode_combine: load_function(&mma, "decode_attn_combine")?,
+            embed_gather: f("embed_gather")?,
+            rms_norm: f("rms_norm")?,
+            silu_mul: f("silu_mul")?,
+            scatter_rows: f("scatter_rows")?,
+            add_inplace: f("add_inplace")?,
+            add_bias: f("add_bias")?,
+            f32_to_bf16: f("f32_to_bf16")?,
+            gemv: rows(&module, "gemv_bf16")?,
+            gemv_swiglu: rows(&module, "gemv_bf16_swiglu")?,
+            gemv_merged: rows(&fused, "gemv_bf16_merged")?,
+            gemv_stream: f("gemv_stream_bf16_1")?,
+            gemv_stream_swiglu: f("gemv_stream_swiglu_1")?,
+            l2_prefetch: f("l2_prefetch")?,
+            topk_mask: f("topk_mask")?,
+            pick_partial: f("pick_partial")?,
+            pick_finish: f("pick_finish")?,
+        })
+    }
+}
+
+/// Kernel arguments, each in its own 8-byte slot (CUDA reads 4-byte values from the slot's start
+/// on this little-endian host), so the parameter pointers stay valid for the launch.
+pub(super) struct Args {
+    pub(super) slots: [u64; MAX_KERNEL_ARGS],
+    pub(super) n: usize,
+}
+
+/// The most parameters a kernel entry point may take (`Args` holds that many); a test counts
+/// every entry point's parameters in the sources, since an overflow would only surface on a GPU.
+pub(crate) const MAX_KERNEL_ARGS: usize = 32;
+
+impl Args {
+    pub(super) fn new() -> Self {
+        Args {
+            slots: [0; MAX_KERNEL_ARGS],
+            n: 0,
+        }
+    }
+
+    pub(super) fn push(mut self, v: u64) -> Self {
+        assert!(
+            self.n < MAX_KERNEL_ARGS,
+            "a kernel launch with more than {MAX_KERNEL_ARGS} arguments"
+        );
+        self.slots[self.n] = v;
+        self.n += 1;
+        self
+    }
+
+    /// A device pointer.
+    pub(super) fn p(self, ptr: u64) -> Self {
+        self.push(ptr)
+    }
+
+    pub(super) fn i(self, v: usize) -> Self {
+        self.push(v as i32 as u32 as u64)
+    }
+
+    pub(super) fn f(self, v: f32) -> Self {
+        self.push(v.to_bits() as u64)
+    }
+
+    pub(super) fn launch(
+        self,
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (usize, usize),
+        block: usize,
+    ) -> Result<()> {
+        self.launch_3d(stream, func, (grid.0, grid.1, 1), block, 0)
+    }
+
+    /// `launch_3d`, with programmatic dependent launch when `pdl` (the kernel may start before
+    /// the previous one on the stream ends; it must call `pdl_wait` before reading its input:
+    /// the GEMV kernels, RoPE + KV write, RMSNorm, decode attention and its merge and the picks
+    /// do).
+    pub(super) fn launch_pdl(
+        mut self,
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (usize, usize, usize),
+        block: usize,
+        shared_bytes: usize,
+        pdl: bool,
+    ) -> Result<()> {
+        if !pdl {
+            return self.launch_3d(stream, func, grid, block, shared_bytes);
+        }
+        let mut params: Vec<*mut c_void> = self.slots[..self.n]
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect();
+        // SAFETY: as in `launch_3d`.
+        unsafe {
+            launch_ex(
+                stream,
+                func,
+                grid,
+                block,
+                shared_bytes,
+                LaunchAttr::Pdl,
+                &mut params,
+            )
+        }
+        .map_err(|e| dev_err("kernel launch (PDL)", e))
+    }
+
+    pub(super) fn launch_3d(
+        mut self,
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (usize, usize, usize),
+        block: usize,
+        shared_bytes: usize,
+    ) -> Result<()> {
+        let mut params: Vec<*mut c_void> = self.slots[..self.n]
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect();
+        // SAFETY: the argument list matches the kernel's signature in kernels/engine.cu (the
+        // callers below are written against it), and every pointer is a live device buffer.
+        unsafe {
+            dr::launch_kernel(
+                func.cu_function(),
+                (grid.0 as u32, grid.1 as u32, grid.2 as u32),
+                (block as u32, 1, 1),
+                shared_bytes as u32,
+                stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| dev_err("kernel launch", e))
+    }
+}
+
+/// The one launch attribute [`launch_ex`] sets.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum LaunchAttr {
+    /// Programmatic stream serialization: the kernel may start before the previous one on the
+    /// stream ends (programmatic dependent launch, sm_90+).
+    Pdl,
+    /// Every block resident at once, or the launch is refused (grid-wide barriers need it).
+    Cooperative,
+}
+
+/// `cuLaunchKernelEx` with one launch attribute; capturable into CUDA graphs like a plain launch.
+///
+/// # Safety
+/// `params` must match `func`'s parameters and point at live values; every device pointer among
+/// them must be a live buffer of the shape the kernel expects.
+pub(super) unsafe fn launch_ex(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    grid: (usize, usize, usize),
+    block: usize,
+    shared_bytes: usize,
+    attr: LaunchAttr,
+    params: &mut [*mut c_void],
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    // SAFETY: an all-zero launch attribute value is valid (a plain C union of integers).
+    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    let id = match attr {
+        LaunchAttr::Pdl => {
+            value.programmaticStreamSerializationAllowed = 1;
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        }
+        LaunchAttr::Cooperative => {
+            value.cooperative = 1;
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        }
+    };
+    let mut attr = sys::CUlaunchAttribute {
+        id,
+        pad: [0; 4],
+        value,
+    };
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0 as u32,
+        gridDimY: grid.1 as u32,
+        gridDimZ: grid.2 as u32,
+        blockDimX: block as u32,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: shared_bytes as u32,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: `config` and `attr` outlive the call; the caller vouches for `params`.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            func.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+}
