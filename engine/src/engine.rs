@@ -51,7 +51,7 @@ pub enum ScoreMode {
     Decode,
 }
 
-/// Positions of generation [`Engine::generate`] reserves in its cache before the prompt's
+/// Positions of generation [`Engine::generate`] reserves in a GPU cache before the prompt's
 /// prefill; a longer generation grows the cache (doubling) past them.
 const GENERATION_RESERVE: usize = 2048;
 
@@ -193,11 +193,14 @@ impl Engine {
         let start = Instant::now();
         self.check_prompt(&req.prompt)?;
         let mut cache = self.new_cache(req.toggles.kv_dtype)?;
-        // Room for the prompt and the generation up front (at most GENERATION_RESERVE positions
-        // of it): a cache that grows mid-decode copies itself into a larger buffer, and on CUDA
-        // its new addresses cost a fresh capture of the decode step's graph.
-        let gen_room = req.stop.max_tokens.min(GENERATION_RESERVE);
-        cache.reserve((req.prompt.len() + gen_room).min(self.context_len()))?;
+        // On a GPU, room for the prompt and the generation up front (at most GENERATION_RESERVE
+        // positions of it): a device pool that grows mid-decode is copied into a larger buffer,
+        // and its new addresses cost a fresh capture of the decode step's graph. A host pool
+        // grows in place, cheaper than zeroing room a short reply never uses.
+        if cache.pool.is_on_device() {
+            let gen_room = req.stop.max_tokens.min(GENERATION_RESERVE);
+            cache.reserve((req.prompt.len() + gen_room).min(self.context_len()))?;
+        }
         let mut dec = Decoding::new(req, start);
         let mut logits = self.prefill(&req.prompt, &mut cache, dec.want(), &req.toggles)?;
         dec.prefilled();

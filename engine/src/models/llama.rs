@@ -288,6 +288,12 @@ impl KvPool {
         Ok(())
     }
 
+    /// Whether the pool lives in GPU memory, where growing it moves it (and invalidates the
+    /// CUDA graphs captured over its old addresses).
+    pub fn is_on_device(&self) -> bool {
+        matches!(self.storage, KvStorage::Cuda(_))
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         self.num_blocks * self.block_bytes()
