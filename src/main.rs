@@ -158,4 +158,8 @@ fn print_toggles() {
             s.name, s.values, s.default, s.description
         );
     }
+    println!("\npresets (`preset=NAME` sets these at once; toggles after it override them):");
+    for (name, set) in tapedeck_engine::toggles::PRESETS {
+        println!("  {name}: {set}");
+    }
 }

@@ -406,11 +406,36 @@ fn off_or_n(v: Option<NonZeroUsize>) -> String {
     v.map_or_else(|| "off".to_string(), |n| n.to_string())
 }
 
+/// Named toggle sets that `preset=NAME` applies (see [`Toggles::set`]): the fastest GPU decode
+/// measured (docs/benchmarks.md), so a serving user types one name instead of seven toggles.
+/// Records keep the toggles it expanded to, never the name, so a later change to a preset cannot
+/// change what an old run says it ran.
+pub const PRESETS: &[(&str, &str)] = &[(
+    "gpu-fast",
+    "matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on,fuse=on,kv_dtype=bf16,\
+     attn_prefill=mma-bf16",
+)];
+
 impl Toggles {
-    /// Sets one toggle from its text form, e.g. `set("kv_dtype", "bf16")`.
+    /// Sets one toggle from its text form, e.g. `set("kv_dtype", "bf16")`. The name `preset`
+    /// sets every toggle of a [`PRESETS`] entry at once; toggles set after it override it.
     pub fn set(&mut self, name: &str, value: &str) -> Result<()> {
         let value = value.trim();
         match name.trim() {
+            "preset" => {
+                let (_, set) = PRESETS.iter().find(|p| p.0 == value).ok_or_else(|| {
+                    let known: Vec<_> = PRESETS.iter().map(|p| p.0).collect();
+                    Error::Toggle {
+                        name: "preset".to_string(),
+                        message: format!("unknown preset {value:?} (known: {})", known.join(", ")),
+                    }
+                })?;
+                for part in set.split(',') {
+                    if let Some((n, v)) = part.split_once('=') {
+                        self.set(n, v)?;
+                    }
+                }
+            }
             "matmul" => self.matmul = parse_precision(name, value)?,
             "attn_scores" => self.attn_scores = parse_precision(name, value)?,
             "kv_dtype" => {
@@ -472,7 +497,10 @@ impl Toggles {
                 let known: Vec<_> = REGISTRY.iter().map(|s| s.name).collect();
                 return Err(Error::Toggle {
                     name: other.to_string(),
-                    message: format!("unknown toggle (known: {})", known.join(", ")),
+                    message: format!(
+                        "unknown toggle (known: {}; and preset=NAME for a named set)",
+                        known.join(", ")
+                    ),
                 });
             }
         }
@@ -681,6 +709,29 @@ mod tests {
         assert_eq!(t.to_string(), "pdl=on");
         assert_eq!("pdl=all".parse::<Toggles>().unwrap().pdl, Pdl::All);
         assert!("pdl=yes".parse::<Toggles>().is_err());
+    }
+
+    #[test]
+    fn presets_expand_to_their_toggles_and_later_ones_override() {
+        let fast: Toggles = "preset=gpu-fast".parse().unwrap();
+        assert_eq!(
+            fast.to_string(),
+            "matmul=bf16,kv_dtype=bf16,attn_decode=mma-bf16,attn_prefill=mma-bf16,\
+             cuda_graphs=on,small_gemm=gemv,pdl=on,fuse=on"
+        );
+        let t: Toggles = "preset=gpu-fast,kv_dtype=fp8,cuda_graphs=off"
+            .parse()
+            .unwrap();
+        assert_eq!(t.kv_dtype, KvDtype::Fp8E4m3);
+        assert!(!t.cuda_graphs);
+        assert_eq!(t.diff(&fast), ["kv_dtype", "cuda_graphs"]);
+        let before: Toggles = "kv_dtype=fp8,preset=gpu-fast".parse().unwrap();
+        assert_eq!(before, fast, "a preset overrides what came before it");
+        let e = "preset=turbo".parse::<Toggles>().unwrap_err().to_string();
+        assert!(
+            e.contains("unknown preset") && e.contains("gpu-fast"),
+            "{e}"
+        );
     }
 
     #[test]
