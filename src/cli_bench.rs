@@ -162,10 +162,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
             })?;
             let p = out.timings.prefill.as_secs_f64();
             prefill.push(args.prompt_len as f64 / p);
-            let Some((t0, dev0, host0)) = from else {
+            // At least one decode step after the second token, or there is nothing to time.
+            let Some((t0, dev0, host0)) = from.filter(|_| out.tokens.len() >= 3) else {
                 continue;
             };
-            let steps = out.tokens.len().saturating_sub(2).max(1);
+            let steps = out.tokens.len() - 2;
             let rate = steps as f64 / (out.timings.total - t0).as_secs_f64().max(1e-9);
             decode.push(rate);
             if let (Some((b0, n0)), Some((b1, n1))) = (dev0, device_time()) {
