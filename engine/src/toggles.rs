@@ -430,11 +430,7 @@ impl Toggles {
                         message: format!("unknown preset {value:?} (known: {})", known.join(", ")),
                     }
                 })?;
-                for part in set.split(',') {
-                    if let Some((n, v)) = part.split_once('=') {
-                        self.set(n, v)?;
-                    }
-                }
+                self.set_list(set)?;
             }
             "matmul" => self.matmul = parse_precision(name, value)?,
             "attn_scores" => self.attn_scores = parse_precision(name, value)?,
@@ -503,6 +499,18 @@ impl Toggles {
                     ),
                 });
             }
+        }
+        Ok(())
+    }
+
+    /// Sets each `name=value` of a comma-separated list, in order.
+    fn set_list(&mut self, list: &str) -> Result<()> {
+        for part in list.split(',').filter(|p| !p.trim().is_empty()) {
+            let (name, value) = part.split_once('=').ok_or_else(|| Error::Toggle {
+                name: part.to_string(),
+                message: "expected name=value".to_string(),
+            })?;
+            self.set(name, value)?;
         }
         Ok(())
     }
@@ -642,13 +650,7 @@ impl FromStr for Toggles {
         if s.is_empty() || s == "default" {
             return Ok(t);
         }
-        for part in s.split(',').filter(|p| !p.trim().is_empty()) {
-            let (name, value) = part.split_once('=').ok_or_else(|| Error::Toggle {
-                name: part.to_string(),
-                message: "expected name=value".to_string(),
-            })?;
-            t.set(name, value)?;
-        }
+        t.set_list(s)?;
         Ok(t)
     }
 }

@@ -121,6 +121,68 @@ impl Laps {
     }
 }
 
+/// The host side of each pass's index upload and picked-token download, through page-locked
+/// buffers (`TAPEDECK_HOST_COPIES=pinned`) or ordinary memory (the default), so that a pass
+/// copies the same way whichever is in force.
+pub(super) enum HostCopies {
+    /// From the caller's slice, and into a vector kept from pass to pass.
+    Pageable {
+        picks: Vec<u32>,
+    },
+    Pinned(Pinned),
+}
+
+impl HostCopies {
+    /// Copies per the `TAPEDECK_HOST_COPIES` knob, in `ctx`.
+    pub fn new(ctx: &Arc<CudaContext>, pinned: bool) -> Result<HostCopies> {
+        Ok(if pinned {
+            HostCopies::Pinned(Pinned::new(ctx)?)
+        } else {
+            HostCopies::Pageable { picks: Vec::new() }
+        })
+    }
+
+    /// Enqueues the copy of `data` to device address `dst` on `stream`. The caller keeps `dst`
+    /// alive until the stream has run the copy.
+    pub fn upload(&mut self, dst: u64, data: &[i32], stream: &CudaStream) -> Result<()> {
+        match self {
+            HostCopies::Pinned(p) => p.upload(dst, data, stream),
+            // SAFETY: `dst` holds `data.len()` i32s; the driver stages pageable memory before
+            // the call returns.
+            HostCopies::Pageable { .. } => {
+                unsafe { dr::memcpy_htod_async(dst, data, stream.cu_stream()) }
+                    .map_err(|e| dev_err("uploading batch indices", e))
+            }
+        }
+    }
+
+    /// Enqueues the copy of `len` words at device address `src` on `stream`;
+    /// [`HostCopies::downloaded`] reads them once the stream has synchronized.
+    pub fn download(&mut self, src: u64, len: usize, stream: &CudaStream) -> Result<()> {
+        match self {
+            HostCopies::Pinned(p) => p.download(src, len, stream),
+            HostCopies::Pageable { picks } => {
+                picks.clear();
+                picks.resize(len, 0);
+                // SAFETY: `src` holds `len` words; the vector is read only after the stream
+                // synchronizes and is not resized before.
+                unsafe { dr::memcpy_dtoh_async(picks, src, stream.cu_stream()) }
+                    .map_err(|e| dev_err("downloading picked tokens", e))
+            }
+        }
+    }
+
+    /// The first `len` words of the last download (after the stream has synchronized).
+    pub fn downloaded(&mut self, len: usize) -> Result<&[u32]> {
+        match self {
+            HostCopies::Pinned(p) => p.downloaded(len),
+            HostCopies::Pageable { picks } => picks
+                .get(..len)
+                .ok_or_else(|| Error::Device("fewer picked words downloaded than read".into())),
+        }
+    }
+}
+
 /// Page-locked host buffers for the per-pass index upload and picked-token download, grown to
 /// the largest pass so far. From pageable memory the driver first copies into a staging buffer
 /// of its own (and a download blocks the host until it is done); from these it copies by DMA.

@@ -37,7 +37,6 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::result as dr;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use crate::backend::{Backend, Device};
@@ -47,7 +46,7 @@ use crate::model::{KvPool, Logits, Model, Segment, WantLogits};
 use crate::models::llama::batch_positions;
 use crate::toggles::{KvDtype, Precision, Toggles};
 pub use host::{host_split, HostSplit};
-use host::{Laps, Part, Pinned};
+use host::{HostCopies, Laps, Part};
 use launch::Kernels;
 use linears::{DevLayer, DevLinear};
 pub use memory::DeviceKv;
@@ -273,8 +272,8 @@ struct Inner {
     timing: (CudaEvent, CudaEvent),
     /// The persistent decode-step kernel, compiled on first use (`megakernel=on`).
     mega: Option<step::Megakernel>,
-    /// Page-locked buffers for the per-pass copies (`TAPEDECK_HOST_COPIES=pinned`), else none.
-    pinned: Option<Pinned>,
+    /// The host side of the per-pass copies (page-locked with `TAPEDECK_HOST_COPIES=pinned`).
+    copies: HostCopies,
 }
 
 /// An event that records a time stamp (for [`Backend::device_time`]).
@@ -344,11 +343,7 @@ impl CudaBackend {
             graphs: Default::default(),
             timing: (timing_event(&ctx)?, timing_event(&ctx)?),
             mega: None,
-            pinned: if tune::get().pinned {
-                Some(Pinned::new(&ctx)?)
-            } else {
-                None
-            },
+            copies: HostCopies::new(&ctx, tune::get().pinned)?,
             gemv_fits: [
                 cfg.hidden_size,
                 cfg.num_heads * cfg.head_dim,
@@ -490,14 +485,10 @@ impl Backend for CudaBackend {
             .0
             .record(&inner.gpu.stream)
             .map_err(|e| dev_err("recording a timing event", e))?;
-        match &mut inner.pinned {
-            Some(pinned) => pinned.upload(pass.meta_ptr, &pass.meta.data, &inner.gpu.stream)?,
-            // SAFETY: the meta buffer holds at least `meta.data.len()` i32s.
-            None => unsafe {
-                dr::memcpy_htod_async(pass.meta_ptr, &pass.meta.data, inner.gpu.stream.cu_stream())
-            }
-            .map_err(|e| dev_err("uploading batch indices", e))?,
-        }
+        // The meta buffer holds at least `meta.data.len()` i32s (`prepare` sized it).
+        inner
+            .copies
+            .upload(pass.meta_ptr, &pass.meta.data, &inner.gpu.stream)?;
         match pad {
             None => inner.record(cfg, kv, &pass)?,
             Some(pad) => inner.replay(cfg, kv, &pass, pad, toggles)?,

@@ -792,22 +792,8 @@ impl Inner {
         let stream = self.gpu.stream.cu_stream();
         let words = pick_words(meta.pick_k);
         let n_words = meta.n_picks * words;
-        let pinned = self.pinned.as_mut().filter(|_| pass.pick.is_some());
-        let mut picks = if pinned.is_some() {
-            Vec::new()
-        } else {
-            vec![0u32; n_words]
-        };
-        match (pass.pick, pinned) {
-            (Some((_, _, out, _)), Some(pinned)) => {
-                pinned.download(out, n_words, &self.gpu.stream)?;
-            }
-            // SAFETY: the buffer holds n_picks × pick_words(pick_k) words.
-            (Some((_, _, out, _)), None) => {
-                unsafe { dr::memcpy_dtoh_async(&mut picks, out, stream) }
-                    .map_err(|e| dev_err("downloading picked tokens", e))?
-            }
-            (None, _) => {}
+        if let Some((_, _, out, _)) = pass.pick {
+            self.copies.download(out, n_words, &self.gpu.stream)?;
         }
         // Rows for the segments that sample on the host (or keep more alternatives than the
         // device picks), each segment's rows contiguous in the logits buffer.
@@ -830,9 +816,9 @@ impl Inner {
             .synchronize()
             .map_err(|e| dev_err("forward pass", e))?;
         laps.lap(Part::Wait);
-        let picks = match (&mut self.pinned, pass.pick) {
-            (Some(pinned), Some(_)) => pinned.downloaded(n_words)?,
-            _ => &picks[..],
+        let picks = match pass.pick {
+            Some(_) => self.copies.downloaded(n_words)?,
+            None => &[],
         };
         Ok(segs
             .iter()
