@@ -184,13 +184,8 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #define NORM_UNROLL 8
 #endif
 
-// out (n, h) = table[ids[i]] rows. grid (n), block 256.
-extern "C" __global__ void embed_gather(float* out, const float* table, const unsigned int* ids,
-                                        int h) {
-    TD_SCOPE("embed_gather");
-    pdl_launch_dependents();
-    const float* row = table + (size_t)ids[blockIdx.x] * h;
-    float* o = out + (size_t)blockIdx.x * h;
+// o = row, `h` floats, by the block (several strides' loads issued before their stores).
+__device__ __forceinline__ void copy_row(float* o, const float* row, int h) {
     for (int base = threadIdx.x; base < h; base += NORM_UNROLL * blockDim.x) {
         float v[NORM_UNROLL];
 #pragma unroll
@@ -204,6 +199,29 @@ extern "C" __global__ void embed_gather(float* out, const float* table, const un
             if (i < h) o[i] = v[u];
         }
     }
+}
+
+// out (n, h) = table[ids[i]] rows. grid (n), block 256.
+extern "C" __global__ void embed_gather(float* out, const float* table, const unsigned int* ids,
+                                        int h) {
+    TD_SCOPE("embed_gather");
+    pdl_launch_dependents();
+    copy_row(out + (size_t)blockIdx.x * h, table + (size_t)ids[blockIdx.x] * h, h);
+}
+
+// A pass's token embeddings: embed_gather, except that an id of FED_TOKEN (0xffffffff) takes
+// the token at fed[0] instead, the word the previous pass's token pick wrote (its first pick
+// row's token): a decode step submitted before the step ahead of it was read back (the engine's
+// run-ahead decode) is fed that step's token on the device. `fed` may be null where no id is
+// FED_TOKEN. grid (n), block 256.
+#define FED_TOKEN 0xffffffffu
+extern "C" __global__ void embed_tokens(float* out, const float* table, const unsigned int* ids,
+                                        int h, const unsigned int* fed) {
+    TD_SCOPE("embed_tokens");
+    pdl_launch_dependents();
+    unsigned int id = ids[blockIdx.x];
+    if (id == FED_TOKEN) id = fed[0];
+    copy_row(out + (size_t)blockIdx.x * h, table + (size_t)id * h, h);
 }
 
 // The RMSNorm of N rows of `in` values (x row-major) by a block of 256 threads, as every kernel

@@ -103,6 +103,116 @@ pub trait Backend: Send + Sync {
     fn save_trace(&self) -> Result<Option<String>> {
         Ok(None)
     }
+
+    /// Whether [`submit`](Backend::submit) returns while the step still runs, so that a caller
+    /// gains by submitting the next step before collecting this one: the host's work between
+    /// steps (reading the token back, streaming it, launching the next) then overlaps the
+    /// device's. `false` where `submit` runs the step to its end.
+    fn runs_ahead(&self) -> bool {
+        false
+    }
+
+    /// Enqueues one decode step of one sequence: `seg`, one token wanting a pick, whose input
+    /// token comes from `feed` (the segment's own token is not read). The step appends to the
+    /// cache as [`forward`](Backend::forward) does. This default runs it now.
+    fn submit(
+        &self,
+        pool: &mut KvPool,
+        seg: Segment<'_>,
+        feed: Feed<'_>,
+        toggles: &Toggles,
+    ) -> Result<Ticket> {
+        submit_now(self, pool, seg, feed, toggles)
+    }
+
+    /// The logits of a submitted step, once it has run.
+    fn collect(&self, ticket: Ticket) -> Result<Logits> {
+        ticket.into_done()
+    }
+
+    /// Drops a submitted step whose logits are no longer wanted (a step run ahead past the end
+    /// of a generation), without waiting for it where the backend can.
+    fn discard(&self, ticket: Ticket) {
+        drop(ticket);
+    }
+}
+
+/// [`Backend::submit`] for a backend that runs the step now: the fed token on the host, then
+/// [`Backend::forward`].
+pub(crate) fn submit_now<B: Backend + ?Sized>(
+    backend: &B,
+    pool: &mut KvPool,
+    seg: Segment<'_>,
+    feed: Feed<'_>,
+    toggles: &Toggles,
+) -> Result<Ticket> {
+    let tokens = [feed.token(backend)?];
+    let mut segs = [Segment {
+        tokens: &tokens,
+        ..seg
+    }];
+    let logits = backend.forward(pool, &mut segs, toggles)?.pop();
+    Ok(Ticket::done(logits.unwrap_or(Logits::Rows(Vec::new()))))
+}
+
+/// A decode step [`Backend::submit`] enqueued: hand it to [`Backend::collect`] for its logits,
+/// or to [`Backend::discard`].
+#[must_use = "a submitted step is collected or discarded"]
+pub struct Ticket(pub(crate) TicketState);
+
+/// What a [`Ticket`] holds.
+pub(crate) enum TicketState {
+    /// The step has run: its logits.
+    Done(Logits),
+    /// The step is (or was) in flight on a GPU.
+    Cuda(crate::cuda::InFlight),
+}
+
+impl Ticket {
+    /// A step that has run.
+    pub(crate) fn done(logits: Logits) -> Ticket {
+        Ticket(TicketState::Done(logits))
+    }
+
+    /// The logits of a step that has run.
+    pub(crate) fn into_done(self) -> Result<Logits> {
+        match self.0 {
+            TicketState::Done(l) => Ok(l),
+            TicketState::Cuda(_) => Err(Error::Device(
+                "a GPU step was handed to a backend that did not submit it".into(),
+            )),
+        }
+    }
+}
+
+/// Where a submitted step's input token comes from.
+pub enum Feed<'t> {
+    /// Known on the host.
+    Token(u32),
+    /// The token this earlier step picks: read where it was picked (on the device) where the
+    /// backend can, so the step can be enqueued before that one is collected.
+    Picked(&'t mut Ticket),
+}
+
+impl Feed<'_> {
+    /// The token, on the host: waits for a `Picked` step through `backend` if it has not been
+    /// collected (it stays collectable, with the same logits).
+    pub(crate) fn token<B: Backend + ?Sized>(self, backend: &B) -> Result<u32> {
+        let ticket = match self {
+            Feed::Token(t) => return Ok(t),
+            Feed::Picked(t) => t,
+        };
+        if let TicketState::Cuda(_) = ticket.0 {
+            let waiting = std::mem::replace(ticket, Ticket::done(Logits::Rows(Vec::new())));
+            *ticket = Ticket::done(backend.collect(waiting)?);
+        }
+        match &ticket.0 {
+            TicketState::Done(Logits::Picked { token, .. }) => Ok(*token),
+            _ => Err(Error::Device(
+                "a step fed from an earlier one needs that step's token picked".into(),
+            )),
+        }
+    }
 }
 
 /// The CPU reference: [`Model::forward`] on a private rayon pool.

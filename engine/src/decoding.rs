@@ -87,8 +87,14 @@ impl Decoding {
     /// the choice is greedy or forced, so the backend can make it where the logits are; the
     /// whole last row when sampling draws from the distribution.
     pub fn want(&self) -> WantLogits {
+        self.want_at(self.out.tokens.len())
+    }
+
+    /// What the step that produces token number `n` (from 0) needs: [`want`](Self::want) for
+    /// a step submitted before the tokens ahead of it are known.
+    pub fn want_at(&self, n: usize) -> WantLogits {
         let k = self.top_k_summary;
-        if let Some(&token) = self.forced.get(self.out.tokens.len()) {
+        if let Some(&token) = self.forced.get(n) {
             WantLogits::Pick(Pick {
                 k,
                 token: Some(token),
@@ -98,6 +104,17 @@ impl Decoding {
         } else {
             WantLogits::Last
         }
+    }
+
+    /// Teacher forcing's token number `n`, which a step can be fed before it is "chosen".
+    pub fn forced_at(&self, n: usize) -> Option<u32> {
+        self.forced.get(n).copied()
+    }
+
+    /// Whether token number `n` can still be produced: it is within `max_tokens` and nothing
+    /// has ended generation. An end-of-sequence or stop string may still end it sooner.
+    pub fn may_produce(&self, n: usize) -> bool {
+        !self.done && n < self.max_tokens
     }
 
     /// Chooses the next token from `logits` (as [`want`](Self::want) asked for them);

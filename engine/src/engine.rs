@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::backend::{Backend, CpuBackend, Device};
+use crate::backend::{Backend, CpuBackend, Device, Feed, Ticket};
 use crate::chat::{ChatTemplate, EncodeOptions, Encoding};
 use crate::config::Config;
 use crate::decoding::Decoding;
@@ -36,6 +36,9 @@ pub struct Engine {
     context_len: usize,
     tokenizer: Tokenizer,
     template: ChatTemplate,
+    /// `generate` submits each decode step before reading the one in flight back
+    /// ([`Engine::set_run_ahead`]).
+    run_ahead: bool,
 }
 
 /// The score of one given token under the model (teacher forcing).
@@ -82,6 +85,7 @@ impl Engine {
         };
         Ok(Engine {
             dir: dir.to_path_buf(),
+            run_ahead: backend.runs_ahead(),
             backend,
             context_len,
             tokenizer,
@@ -130,6 +134,13 @@ impl Engine {
     /// The context window in tokens.
     pub fn context_len(&self) -> usize {
         self.context_len
+    }
+
+    /// Whether `generate` runs its decode steps one ahead (see [`Backend::runs_ahead`]; the
+    /// backend's choice by default). The tokens are the same either way, so a test can run
+    /// ahead where the backend gains nothing and an A/B can turn it off where it does.
+    pub fn set_run_ahead(&mut self, on: bool) {
+        self.run_ahead = on;
     }
 
     /// Worker threads used for forward passes.
@@ -202,21 +213,133 @@ impl Engine {
             cache.reserve((req.prompt.len() + gen_room).min(self.context_len()))?;
         }
         let mut dec = Decoding::new(req, start);
-        let mut logits = self.prefill(&req.prompt, &mut cache, dec.want(), &req.toggles)?;
+        let logits = self.prefill(&req.prompt, &mut cache, dec.want(), &req.toggles)?;
         dec.prefilled();
+        // Running ahead needs the backend to pick each token (greedy or forced decoding): a
+        // sampled token is drawn on the host from the whole row.
+        if self.run_ahead && matches!(dec.want(), WantLogits::Pick(_)) {
+            self.decode_ahead(&mut dec, logits, &mut cache, &req.toggles, on_token)?;
+        } else {
+            self.decode(&mut dec, logits, &mut cache, &req.toggles, on_token)?;
+        }
+        Ok(dec.finish())
+    }
+
+    /// Decode steps one after another, each submitted once the token before it is read.
+    fn decode(
+        &self,
+        dec: &mut Decoding,
+        mut logits: Logits,
+        cache: &mut KvCache,
+        toggles: &Toggles,
+        on_token: &mut dyn FnMut(&TokenEvent) -> bool,
+    ) -> Result<()> {
         loop {
             let full = cache.len() + 1 >= self.context_len();
             let (event, finished) = dec.step(logits, &self.tokenizer, full)?;
             if !on_token(&event) {
                 dec.cancel();
-                break;
+                return Ok(());
             }
             if finished {
-                break;
+                return Ok(());
             }
-            logits = self.forward_one(&[event.id], &mut cache, true, dec.want(), &req.toggles)?;
+            logits = self.forward_one(&[event.id], cache, true, dec.want(), toggles)?;
         }
-        Ok(dec.finish())
+    }
+
+    /// Decode steps run one ahead: while a step is in flight, the step after it is submitted,
+    /// fed the token the one in flight picks (on the device, where the backend can), before
+    /// that token is read back. The host's reading, streaming and launching then overlap the
+    /// device's step instead of leaving it idle between steps; the tokens are those of
+    /// [`decode`](Self::decode). A step submitted past the end of generation (an end-of-sequence
+    /// token or a stop string, which only the token read back reveals) is discarded: it wrote
+    /// one cache position that nothing reads, since the cache ends with the request.
+    fn decode_ahead(
+        &self,
+        dec: &mut Decoding,
+        logits: Logits,
+        cache: &mut KvCache,
+        toggles: &Toggles,
+        on_token: &mut dyn FnMut(&TokenEvent) -> bool,
+    ) -> Result<()> {
+        let ctx = self.context_len();
+        let (event, finished) = dec.step(logits, &self.tokenizer, cache.len() + 1 >= ctx)?;
+        if !on_token(&event) {
+            dec.cancel();
+            return Ok(());
+        }
+        if finished {
+            return Ok(());
+        }
+        // The step in flight produces token number `n`; the cache counts its input.
+        let mut n = dec.tokens().len();
+        let mut cur = self.submit_step(cache, Feed::Token(event.id), dec.want_at(n), toggles)?;
+        loop {
+            // The next step's input is token n, at position cache.len(): submitted where
+            // generation can go on past token n (the rules `Decoding::step` applies).
+            let ahead = if dec.may_produce(n + 1) && cache.len() + 1 < ctx {
+                let feed = match dec.forced_at(n) {
+                    Some(t) => Feed::Token(t),
+                    None => Feed::Picked(&mut cur),
+                };
+                match self.submit_step(cache, feed, dec.want_at(n + 1), toggles) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        self.backend.discard(cur);
+                        return Err(e);
+                    }
+                }
+            } else {
+                None
+            };
+            // The cache length the step of token n saw, without the step ahead.
+            let seen = cache.len() - usize::from(ahead.is_some());
+            let stepped = self
+                .backend
+                .collect(cur)
+                .and_then(|l| dec.step(l, &self.tokenizer, seen + 1 >= ctx));
+            let (event, finished) = match stepped {
+                Ok(v) => v,
+                Err(e) => {
+                    if let Some(a) = ahead {
+                        self.backend.discard(a);
+                    }
+                    return Err(e);
+                }
+            };
+            let cancelled = !on_token(&event);
+            if cancelled {
+                dec.cancel();
+            }
+            n += 1;
+            match ahead {
+                Some(a) if !cancelled && !finished => cur = a,
+                Some(a) => {
+                    self.backend.discard(a);
+                    return Ok(());
+                }
+                None if cancelled || finished => return Ok(()),
+                // Not expected (the rule above mirrors `Decoding::step`), but should generation
+                // go on without a step ahead, submit it now: the same tokens, no overlap.
+                None => {
+                    cur = self.submit_step(cache, Feed::Token(event.id), dec.want_at(n), toggles)?
+                }
+            }
+        }
+    }
+
+    /// Submits one decode step of the request in `cache`, its input token from `feed`.
+    fn submit_step(
+        &self,
+        cache: &mut KvCache,
+        feed: Feed<'_>,
+        want: WantLogits,
+        toggles: &Toggles,
+    ) -> Result<Ticket> {
+        // The segment's own token is never read: `feed` gives it.
+        let (pool, seg) = cache.segment(&[0], true, want)?;
+        self.backend.submit(pool, seg, feed, toggles)
     }
 
     /// Prefills `tokens` in chunks per the `prefill_chunk` toggle; returns what the last chunk's

@@ -1447,3 +1447,88 @@ fn cuda_llama_1b_logits_match_the_cpu_engine() {
         assert!(err <= bound, "{toggles}: {err:e}");
     }
 }
+
+#[test]
+fn cuda_running_ahead_gives_the_tokens_of_one_step_at_a_time() {
+    // `generate` on the GPU enqueues each decode step before reading the token of the one in
+    // flight, and the step reads that token on the device (`embed_tokens`). Same kernels, same
+    // inputs: every bit must match stepping one at a time, eager or graphs, with the fastest
+    // set, however generation ends. Two requests on one engine from two threads interleave
+    // their passes, so a step's feed is sometimes not the pass before it: the backend must then
+    // read the token back first, with the same result.
+    if let Err(e) = probe() {
+        println!("SKIPPED: no usable GPU here ({e})");
+        return;
+    }
+    let load = |ahead: bool| {
+        let mut e = Engine::load_with(
+            &fixture("tiny-llama"),
+            &EngineOptions {
+                threads: None,
+                device: Device::Cuda(0),
+            },
+        )
+        .expect("fixture loads");
+        e.set_run_ahead(ahead);
+        Arc::new(e)
+    };
+    let (plain, ahead) = (load(false), load(true));
+    let mut r = rng();
+    let greedy = |prompt: Vec<u32>, toggles: &str, max_tokens: usize| GenerateRequest {
+        prompt,
+        sampling: SamplingParams::default(),
+        stop: StopCriteria {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        top_k_summary: 4,
+        toggles: toggles.parse().unwrap(),
+    };
+    let same_bits = |a: &GenerateOutput, b: &GenerateOutput, what: &str| {
+        assert_eq!(a.tokens, b.tokens, "{what}: tokens");
+        assert_eq!(a.finish_reason, b.finish_reason, "{what}: finish");
+        for (i, (x, y)) in a.summaries.iter().zip(&b.summaries).enumerate() {
+            assert_eq!(
+                x.logprob.to_bits(),
+                y.logprob.to_bits(),
+                "{what}: logprob {i}"
+            );
+            assert_eq!(x.top, y.top, "{what}: alternatives {i}");
+        }
+    };
+    for toggles in [
+        "",
+        "cuda_graphs=on",
+        "preset=gpu-fast",
+        "preset=gpu-fast,megakernel=on",
+    ] {
+        let req = greedy(tokens(&plain, r.random_range(20..90), &mut r), toggles, 40);
+        let want = plain.generate(&req, &mut |_| true).unwrap();
+        let got = ahead.generate(&req, &mut |_| true).unwrap();
+        same_bits(&want, &got, toggles);
+        // Ends at a stop token mid-way, with the step ahead discarded; then the same engine
+        // serves the next request as if nothing had run ahead.
+        let mut stopped = req.clone();
+        stopped.stop.stop_token_ids = vec![want.tokens[10]];
+        let a = plain.generate(&stopped, &mut |_| true).unwrap();
+        let b = ahead.generate(&stopped, &mut |_| true).unwrap();
+        same_bits(&a, &b, &format!("{toggles}, stop token"));
+        same_bits(
+            &want,
+            &ahead.generate(&req, &mut |_| true).unwrap(),
+            toggles,
+        );
+        // Two requests at once on the engine that runs ahead.
+        let other = greedy(tokens(&plain, 33, &mut r), toggles, 40);
+        let want_other = plain.generate(&other, &mut |_| true).unwrap();
+        let (x, y) = std::thread::scope(|s| {
+            let e = &ahead;
+            let h = s.spawn(|| e.generate(&other, &mut |_| true).unwrap());
+            (e.generate(&req, &mut |_| true).unwrap(), h.join().unwrap())
+        });
+        same_bits(&want, &x, &format!("{toggles}, concurrent"));
+        same_bits(&want_other, &y, &format!("{toggles}, concurrent other"));
+        println!("{toggles:?}: running ahead gives the same bits");
+    }
+}

@@ -457,3 +457,65 @@ fn packed_kv_pools_change_capacity_not_numbers() {
         assert!(err.contains(&format!("stores {name}")), "{err}");
     }
 }
+
+/// `generate` running its decode steps ahead (each step submitted before the token of the one
+/// in flight is read back, and fed that token by the backend) gives the tokens, summaries, text
+/// and finish reason of stepping one at a time, however generation ends: at `max_tokens`
+/// (where nothing runs ahead past the last token), at a stop token or a cancel mid-way (where
+/// the step ahead is discarded), or at a full context.
+#[test]
+fn running_ahead_changes_nothing() {
+    let load = |ahead: bool| {
+        let mut e = Engine::load_with(
+            &fixture("tiny-qwen2"),
+            &EngineOptions {
+                threads: Some(2),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        e.set_run_ahead(ahead);
+        e
+    };
+    let (plain, ahead) = (load(false), load(true));
+    let check = |req: &GenerateRequest, cancel_after: usize, what: &str| {
+        let run = |e: &Engine| {
+            let mut seen = 0;
+            e.generate(req, &mut |_| {
+                seen += 1;
+                seen < cancel_after
+            })
+            .unwrap()
+        };
+        let (want, got) = (run(&plain), run(&ahead));
+        identical(&want, &got).unwrap_or_else(|m| panic!("{what}: {m}"));
+        assert_eq!(want.text, got.text, "{what}");
+        assert_eq!(want.finish_reason, got.finish_reason, "{what}");
+        want
+    };
+    let mut r = rng();
+    for max_tokens in [1, 2, 9] {
+        let n = r.random_range(5..60);
+        let mut req = request(prompt(&plain, n, &mut r), "");
+        req.stop.max_tokens = max_tokens;
+        let out = check(&req, usize::MAX, &format!("max_tokens {max_tokens}"));
+        assert_eq!(out.tokens.len(), max_tokens);
+        if max_tokens == 9 {
+            // Ends at the first occurrence of its fourth token, with the step ahead discarded.
+            let mut stopped = req.clone();
+            stopped.stop.stop_token_ids = vec![out.tokens[3]];
+            let first = out.tokens.iter().position(|&t| t == out.tokens[3]).unwrap();
+            let o = check(&stopped, usize::MAX, "stop token");
+            assert_eq!(o.tokens.len(), first + 1);
+            // Cancelled by the caller after three tokens.
+            let o = check(&req, 3, "cancel");
+            assert_eq!(o.tokens.len(), 3);
+            // A context that fills after three generated tokens.
+            let ctx = plain.context_len();
+            let mut full = request(prompt(&plain, ctx - 3, &mut r), "");
+            full.stop.max_tokens = 9;
+            let o = check(&full, usize::MAX, "full context");
+            assert_eq!(o.tokens.len(), 3);
+        }
+    }
+}

@@ -246,6 +246,69 @@ impl Pinned {
     }
 }
 
+/// Where a step submitted ahead (`CudaBackend::submit`) lands on the host: a page-locked buffer
+/// for its picked words, which its download fills without blocking the host, and the events that
+/// time the step and say it has ended. Lent to one step at a time from the backend's pool.
+pub(super) struct Landing {
+    words: PinnedHostSlice<u32>,
+    pub start: CudaEvent,
+    pub end: CudaEvent,
+}
+
+impl Landing {
+    /// A landing for up to `len` words in `ctx`.
+    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Landing> {
+        let mut slot = None;
+        room(ctx, &mut slot, len, 0)?;
+        let words =
+            slot.ok_or_else(|| Error::Device("a page-locked buffer went missing".into()))?;
+        let event = || {
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| dev_err("creating a timing event", e))
+        };
+        Ok(Landing {
+            words,
+            start: event()?,
+            end: event()?,
+        })
+    }
+
+    /// Whether it holds `len` words.
+    pub fn holds(&self, len: usize) -> bool {
+        self.words.len() >= len
+    }
+
+    /// Enqueues the copy of `len` words at device address `src` into the buffer on `stream`;
+    /// record `end` after it, and read them with [`Landing::read`] once it has passed.
+    pub fn download(&mut self, src: u64, len: usize, stream: &CudaStream) -> Result<()> {
+        let buf = self
+            .words
+            .as_mut_slice()
+            .map_err(|e| dev_err("page-locked host memory", e))?;
+        let buf = buf
+            .get_mut(..len)
+            .ok_or_else(|| Error::Device("a landing too small for its download".into()))?;
+        // SAFETY: `src` holds `len` words; the buffer is read (or lent again, or freed) only
+        // after `end`, recorded after this copy, has passed.
+        unsafe { dr::memcpy_dtoh_async(buf, src, stream.cu_stream()) }
+            .map_err(|e| dev_err("downloading picked tokens", e))
+    }
+
+    /// Waits for `end`, then the first `len` words downloaded.
+    pub fn read(&self, len: usize) -> Result<&[u32]> {
+        self.end
+            .synchronize()
+            .map_err(|e| dev_err("waiting for a decode step", e))?;
+        let words = self
+            .words
+            .as_slice()
+            .map_err(|e| dev_err("page-locked host memory", e))?;
+        words
+            .get(..len)
+            .ok_or_else(|| Error::Device("fewer picked words downloaded than read".into()))
+    }
+}
+
 /// The first `len` elements of the buffer in `slot`, replaced first by a zeroed one (allocated
 /// with `cuMemHostAlloc` `flags`) of the next power of two if it is shorter.
 fn room<'a, T: DeviceRepr + ValidAsZeroBits>(

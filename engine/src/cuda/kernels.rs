@@ -35,6 +35,7 @@ pub const ENGINE: KernelSource = KernelSource {
     ),
     entry_points: &[
         "embed_gather",
+        "embed_tokens",
         "rms_norm",
         "rope_kv_write",
         "silu_mul",

@@ -33,6 +33,7 @@ pub(super) struct PoolKernels {
 /// Loaded kernel entry points.
 pub(super) struct Kernels {
     pub(super) embed_gather: CudaFunction,
+    pub(super) embed_tokens: CudaFunction,
     pub(super) rms_norm: CudaFunction,
     pub(super) silu_mul: CudaFunction,
     pub(super) scatter_rows: CudaFunction,
@@ -175,6 +176,7 @@ impl Kernels {
             pool: [pool(KvElem::F32)?, pool(KvElem::Bf16)?, pool(KvElem::Fp8)?],
             decode_combine: load_function(&mma, "decode_attn_combine")?,
             embed_gather: f("embed_gather")?,
+            embed_tokens: f("embed_tokens")?,
             rms_norm: f("rms_norm")?,
             silu_mul: f("silu_mul")?,
             scatter_rows: f("scatter_rows")?,

@@ -72,6 +72,14 @@ pub(super) const PICK_MAX_K: usize = 32;
 pub(super) const PICK_CHUNK: usize = 2048;
 const PICK_MAX_CHUNKS: usize = 128;
 
+/// Which word of a picked row's result is the token (`parse_pick`); `embed_tokens` reads it
+/// there for a fed id.
+pub(super) const FED_WORD: usize = 4;
+
+/// The id that makes `embed_tokens` (kernels/engine.cu) read the token the previous pass picked
+/// instead: never a vocabulary id.
+pub(super) const FED_TOKEN: u32 = u32::MAX;
+
 /// u32 words of one picked row's result (`PICK_WORDS` in kernels/engine.cu).
 pub(super) fn pick_words(k: usize) -> usize {
     6 + 2 * k
@@ -95,7 +103,7 @@ pub(super) fn device_pick(want: WantLogits, vocab: usize) -> Option<Pick> {
 pub(super) fn parse_pick(words: &[u32], k: usize) -> Logits {
     let f64_at = |i: usize| f64::from_bits(u64::from(words[i]) | (u64::from(words[i + 1]) << 32));
     let (lse, entropy) = (f64_at(0), f64_at(2));
-    let token = words[4];
+    let token = words[FED_WORD];
     let logprob = f32::from_bits(words[5]) as f64 - lse;
     let top = (0..k)
         .map(|r| (words[6 + 2 * r], f32::from_bits(words[7 + 2 * r])))

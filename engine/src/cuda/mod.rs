@@ -39,19 +39,19 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
-use crate::backend::{Backend, Device};
+use crate::backend::{submit_now, Backend, Device, Feed, Ticket, TicketState};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::model::{KvPool, Logits, Model, Segment, WantLogits};
 use crate::models::llama::batch_positions;
 use crate::toggles::{KvDtype, Precision, Toggles};
 pub use host::{host_split, HostSplit};
-use host::{HostCopies, Laps, Part};
+use host::{HostCopies, Landing, Laps, Part};
 use launch::Kernels;
 use linears::{DevLayer, DevLinear};
 pub use memory::DeviceKv;
 use memory::{DevBuf, KvElem, Scratch, ScratchBufs};
-use meta::Pad;
+use meta::{device_pick, parse_pick, pick_words, Pad, FED_TOKEN, PICK_MAX_K};
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device(format!("{what}: {e:?}"))
@@ -274,6 +274,9 @@ struct Inner {
     mega: Option<step::Megakernel>,
     /// The host side of the per-pass copies (page-locked with `TAPEDECK_HOST_COPIES=pinned`).
     copies: HostCopies,
+    /// Passes enqueued so far: a step fed on the device must directly follow the step that
+    /// picks its token, whose pick it reads from the shared pick buffer.
+    serial: u64,
 }
 
 /// An event that records a time stamp (for [`Backend::device_time`]).
@@ -294,6 +297,32 @@ pub struct CudaBackend {
     /// reads them without waiting for the pass that holds `inner`.
     busy_ns: AtomicU64,
     passes: AtomicU64,
+    /// Landings of steps submitted ahead, free to lend (see [`InFlight`]).
+    landings: Mutex<Vec<Landing>>,
+}
+
+/// A decode step [`CudaBackend::submit`] enqueued: where its picked words land, and what the
+/// step after it needs to read its token on the device.
+pub(crate) struct InFlight {
+    /// `None` once collected or discarded (then back in the backend's pool).
+    landing: Option<Landing>,
+    /// Words downloaded, and the summary size to parse them with.
+    words: usize,
+    k: usize,
+    /// The backend's pass count with this step enqueued, and the device buffer its pick went
+    /// to: the next step reads the token there if no pass came between.
+    serial: u64,
+    pick_out: u64,
+}
+
+impl Drop for InFlight {
+    /// A step dropped unread (an error on the way) may still be downloading into its landing:
+    /// wait for it before the page-locked memory is freed.
+    fn drop(&mut self) {
+        if let Some(l) = &self.landing {
+            let _ = l.end.synchronize();
+        }
+    }
 }
 
 impl CudaBackend {
@@ -344,6 +373,7 @@ impl CudaBackend {
             timing: (timing_event(&ctx)?, timing_event(&ctx)?),
             mega: None,
             copies: HostCopies::new(&ctx, tune::get().pinned)?,
+            serial: 0,
             gemv_fits: [
                 cfg.hidden_size,
                 cfg.num_heads * cfg.head_dim,
@@ -361,7 +391,36 @@ impl CudaBackend {
             inner: Mutex::new(inner),
             busy_ns: AtomicU64::new(0),
             passes: AtomicU64::new(0),
+            landings: Mutex::new(Vec::new()),
         })
+    }
+}
+
+impl CudaBackend {
+    /// A landing of at least `len` words from the pool (once the step it last served has
+    /// passed), or a new one.
+    fn landing(&self, len: usize) -> Result<Landing> {
+        let lent = self
+            .landings
+            .lock()
+            .map_err(|_| Error::Device("the CUDA backend's landing pool was poisoned".into()))?
+            .pop();
+        if let Some(l) = lent {
+            l.end
+                .synchronize()
+                .map_err(|e| dev_err("waiting for a discarded decode step", e))?;
+            if l.holds(len) {
+                return Ok(l);
+            }
+        }
+        Landing::new(&self.ctx, len)
+    }
+
+    /// Returns a landing to the pool.
+    fn give_back(&self, landing: Landing) {
+        if let Ok(mut pool) = self.landings.lock() {
+            pool.push(landing);
+        }
     }
 }
 
@@ -389,6 +448,30 @@ fn split_rule(
 }
 
 impl Inner {
+    /// Uploads a prepared pass's indices and launches it (its graph, capturing it first, where
+    /// `pad` gives the graph's shape).
+    fn launch_pass(
+        &mut self,
+        cfg: &Config,
+        kv: &DeviceKv,
+        pass: &pass::Pass,
+        pad: Option<Pad>,
+        toggles: &Toggles,
+    ) -> Result<()> {
+        // The meta buffer holds at least `meta.data.len()` i32s (`prepare` sized it).
+        self.copies
+            .upload(pass.meta_ptr, &pass.meta.data, &self.gpu.stream)?;
+        match pad {
+            None => self.record(cfg, kv, pass)?,
+            Some(pad) => self.replay(cfg, kv, pass, pad, toggles)?,
+        }
+        if pass.mega.is_some() {
+            PERSISTENT_STEPS.fetch_add(1, Ordering::Relaxed);
+        }
+        self.serial += 1;
+        Ok(())
+    }
+
     fn ensure_scratch(&mut self, ctx: &Arc<CudaContext>, cfg: &Config, n: usize) -> Result<()> {
         if self.scratch.bufs.is_some() && self.scratch.tokens >= n {
             return Ok(());
@@ -485,17 +568,7 @@ impl Backend for CudaBackend {
             .0
             .record(&inner.gpu.stream)
             .map_err(|e| dev_err("recording a timing event", e))?;
-        // The meta buffer holds at least `meta.data.len()` i32s (`prepare` sized it).
-        inner
-            .copies
-            .upload(pass.meta_ptr, &pass.meta.data, &inner.gpu.stream)?;
-        match pad {
-            None => inner.record(cfg, kv, &pass)?,
-            Some(pad) => inner.replay(cfg, kv, &pass, pad, toggles)?,
-        }
-        if pass.mega.is_some() {
-            PERSISTENT_STEPS.fetch_add(1, Ordering::Relaxed);
-        }
+        inner.launch_pass(cfg, kv, &pass, pad, toggles)?;
         inner
             .timing
             .1
@@ -538,6 +611,124 @@ impl Backend for CudaBackend {
             "{saved} kernel blocks traced to {} ({dropped} dropped for want of room)",
             t.path().display()
         )))
+    }
+
+    fn runs_ahead(&self) -> bool {
+        tune::get().run_ahead
+    }
+
+    /// Enqueues the step and returns: its pick is downloaded into a page-locked landing, and a
+    /// step fed from it (`Feed::Picked`) reads the token on the device (`embed_tokens`) when
+    /// no other pass came between. Steps that do not pick on the device run now.
+    fn submit(
+        &self,
+        pool: &mut KvPool,
+        seg: Segment<'_>,
+        feed: Feed<'_>,
+        toggles: &Toggles,
+    ) -> Result<Ticket> {
+        let k = match device_pick(seg.want, self.cfg.vocab_size) {
+            Some(p) if seg.tokens.len() == 1 => p.k,
+            _ => return submit_now(self, pool, seg, feed, toggles),
+        };
+        let mut laps = Laps::start();
+        // A fed token is written into the pass's indices below, once the pass is prepared.
+        let tokens = [match feed {
+            Feed::Token(t) => t,
+            Feed::Picked(_) => 0,
+        }];
+        let mut segs = [Segment {
+            tokens: &tokens,
+            ..seg
+        }];
+        let cfg = &self.cfg;
+        let bs = pool.block_size();
+        let where_ = batch_positions(cfg, self.context_len, bs, &segs)?;
+        let mut landing = self.landing(pick_words(PICK_MAX_K))?;
+        let mut inner = self
+            .inner
+            .lock()
+            .map_err(|_| Error::Device("the CUDA backend's lock was poisoned".into()))?;
+        let inner = &mut *inner;
+        self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        let kv = pool.device_mut()?;
+        let pad = graph_pad(&segs, toggles);
+        let mut pass = inner.prepare(&self.ctx, cfg, &segs, &where_, bs, toggles, pad, kv)?;
+        let pick_out = match pass.pick {
+            Some((_, _, out, _)) if pass.meta.n_picks == 1 => out,
+            _ => return Err(Error::Device("a submitted step makes no pick".into())),
+        };
+        if let Feed::Picked(t) = feed {
+            let on_device = matches!(&t.0, TicketState::Cuda(f)
+                if f.serial == inner.serial && f.pick_out == pick_out);
+            let id = if on_device {
+                FED_TOKEN
+            } else {
+                // Another pass came between (or the step was collected already): its token on
+                // the host, the same result without the overlap.
+                Feed::Picked(t).token(self)?
+            };
+            pass.meta.data[pass.meta.ids] = id as i32;
+        }
+        laps.lap(Part::Prepare);
+        let stream = &inner.gpu.stream;
+        let timing = |e: &CudaEvent| {
+            e.record(stream)
+                .map_err(|e| dev_err("recording a timing event", e))
+        };
+        timing(&landing.start)?;
+        inner.launch_pass(cfg, kv, &pass, pad, toggles)?;
+        let words = pick_words(pass.meta.pick_k);
+        let stream = &inner.gpu.stream;
+        landing.download(pick_out, words, stream)?;
+        landing
+            .end
+            .record(stream)
+            .map_err(|e| dev_err("recording a timing event", e))?;
+        for sg in segs.iter_mut() {
+            sg.table.len += sg.tokens.len();
+        }
+        laps.lap(Part::Launch);
+        Ok(Ticket(TicketState::Cuda(InFlight {
+            landing: Some(landing),
+            words,
+            k,
+            serial: inner.serial,
+            pick_out,
+        })))
+    }
+
+    fn collect(&self, ticket: Ticket) -> Result<Logits> {
+        let mut f = match ticket.0 {
+            TicketState::Done(l) => return Ok(l),
+            TicketState::Cuda(f) => f,
+        };
+        let landing = f
+            .landing
+            .take()
+            .ok_or_else(|| Error::Device("a decode step was collected twice".into()))?;
+        let mut laps = Laps::start();
+        let read = landing.read(f.words).map(|w| parse_pick(w, f.k));
+        laps.lap(Part::Wait);
+        let ms = landing.start.elapsed_ms(&landing.end);
+        self.give_back(landing);
+        let logits = read?;
+        let ms = ms.map_err(|e| dev_err("reading a timing event", e))?;
+        self.busy_ns
+            .fetch_add((f64::from(ms.max(0.0)) * 1e6) as u64, Ordering::Relaxed);
+        self.passes.fetch_add(1, Ordering::Relaxed);
+        laps.finish();
+        Ok(logits)
+    }
+
+    /// The step runs on; its landing goes back to the pool, to be lent again once the step
+    /// has passed.
+    fn discard(&self, ticket: Ticket) {
+        if let TicketState::Cuda(mut f) = ticket.0 {
+            if let Some(l) = f.landing.take() {
+                self.give_back(l);
+            }
+        }
     }
 }
 

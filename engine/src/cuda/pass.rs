@@ -16,7 +16,9 @@ use super::linears::{
     GEMV_MAX_ROWS, GEMV_NORM_SMEM,
 };
 use super::memory::{ensure, ensure_zeroed, DeviceKv, KvElem};
-use super::meta::{build_meta, device_pick, parse_pick, pick_words, Meta, Pad, PICK_CHUNK};
+use super::meta::{
+    build_meta, device_pick, parse_pick, pick_words, Meta, Pad, FED_WORD, PICK_CHUNK,
+};
 use super::{
     dev_err, kernels, kv_key, split_rule, step, tune, Graph, GraphKey, Inner, FUSED_MERGE,
     FUSED_ROPE, GRAPH_CACHE,
@@ -409,12 +411,18 @@ impl Inner {
         let kn = &self.gpu.k;
         let pk = kn.pool(kv.elem);
         let elementwise = (n * h).div_ceil(256);
+        // A fed id reads the token the previous pass picked into this pass's pick buffer (the
+        // run-ahead decode, `CudaBackend::submit`).
+        let fed = pass
+            .pick
+            .map_or(0, |(_, _, out, _)| out + FED_WORD as u64 * 4);
         Args::new()
             .p(x)
             .p(self.embed.ptr)
             .p(mi(meta.ids))
             .i(h)
-            .launch(s, &kn.embed_gather, (n, 1), 256)?;
+            .p(fed)
+            .launch(s, &kn.embed_tokens, (n, 1), 256)?;
         if let Some((params, smem)) = &pass.mega {
             self.mega
                 .as_ref()

@@ -52,6 +52,10 @@
 //! - `TAPEDECK_HOST_COPIES=pinned`: each pass's index upload and picked-token download go
 //!   through page-locked host buffers, kept and grown as needed, instead of the pageable
 //!   vectors (`pageable`, the default): the driver then copies them by DMA with no staging copy.
+//! - `TAPEDECK_RUN_AHEAD=off`: `Engine::generate` waits for each decode step's token before
+//!   submitting the next (`on`, the default: the next step is enqueued first and reads the token
+//!   on the device, so the host's work between steps overlaps the step). The same tokens either
+//!   way; the knob times the overlap.
 //! - `TAPEDECK_TRACE=path`: compile the kernels with `TD_TRACE=1` and record a per-block timeline
 //!   of every launch (cuda/trace.rs), saved to `path` as CSV by `bench engine`.
 
@@ -194,6 +198,9 @@ pub(crate) struct Tuning {
     /// The per-pass index upload and token download go through page-locked host buffers
     /// (`TAPEDECK_HOST_COPIES=pinned`).
     pub pinned: bool,
+    /// `generate` enqueues each decode step before reading the one in flight back
+    /// (`TAPEDECK_RUN_AHEAD`, default on).
+    pub run_ahead: bool,
     /// L2 prefetches of weights in batch-1 GEMV steps.
     pub l2_prefetch: L2Prefetch,
 }
@@ -268,6 +275,7 @@ impl Tuning {
         let mma_merge_in_kernel = second(&var, "TAPEDECK_MMA_MERGE", ["kernel", "in-kernel"]);
         let kv_f32 = second(&var, "TAPEDECK_KV_STORAGE", ["packed", "f32"]);
         let pinned = second(&var, "TAPEDECK_HOST_COPIES", ["pageable", "pinned"]);
+        let run_ahead = !second(&var, "TAPEDECK_RUN_AHEAD", ["on", "off"]);
         Tuning {
             nvrtc_defines,
             split_min,
@@ -279,6 +287,7 @@ impl Tuning {
             mma_merge_in_kernel,
             kv_f32,
             pinned,
+            run_ahead,
             l2_prefetch: L2Prefetch::parse(var("TAPEDECK_L2_PREFETCH").as_deref()),
         }
     }
@@ -350,6 +359,7 @@ mod tests {
                 mma_merge_in_kernel: false,
                 kv_f32: false,
                 pinned: false,
+                run_ahead: true,
                 l2_prefetch: L2Prefetch::default(),
             }
         );
@@ -376,6 +386,7 @@ mod tests {
         assert!(parse(&[("TAPEDECK_KV_STORAGE", "f32")]).kv_f32);
         assert!(parse(&[("TAPEDECK_HOST_COPIES", " pinned")]).pinned);
         assert!(!parse(&[("TAPEDECK_HOST_COPIES", "locked")]).pinned);
+        assert!(!parse(&[("TAPEDECK_RUN_AHEAD", "off")]).run_ahead);
         assert_eq!(parse(&[("TAPEDECK_MMA_SPLIT_MIN", "64")]).split_min, 64);
         assert_eq!(parse(&[("TAPEDECK_GEMV_SLICE", "512")]).gemv_slice, 512);
         let grid = parse(&[("TAPEDECK_GEMV_GRID", "2")]);
