@@ -310,7 +310,8 @@ __device__ __forceinline__ void mk_attention(const MkParams& p, const MkLayer& L
         __syncthreads();
         if (ns > 1)
             merge_if_last_split<DA_COMBINE_THREADS>(p.done + kvh, ns, p.att, p.partial_out, p.partial_ml, p.ctx,
-                                                    p.heads, D, p.split_len, p.max_splits, kvh * group, group, 0);
+                                                    p.heads, D, p.split_len, p.max_splits, kvh * group, group, 0,
+                                                    (float*)0);
     }
 }
 

@@ -2,7 +2,7 @@
 cuda_gpu_trace --format csv`, on stdin): for each kernel of a step in the middle of the run, its
 start, duration and the gap since the previous kernel ended (negative: it overlapped, as PDL lets
 it), then per kernel name the mean duration and mean gap over the middle steps. A step starts at
-`embed_gather`. Used by run_engine_tests.sh (TIMELINE=1)."""
+`embed_tokens`. Used by run_engine_tests.sh (TIMELINE=1)."""
 import collections
 import csv
 import sys
@@ -21,7 +21,7 @@ for r in rows:
 kern.sort()
 steps, cur = [], []
 for k in kern:
-    if k[2] == "embed_gather" and cur:
+    if k[2] == "embed_tokens" and cur:
         steps.append(cur)
         cur = []
     cur.append(k)

@@ -63,7 +63,7 @@ def main():
     ls = blocks_by_launch(a.csv)
     steps, cur = [], []
     for l in ls:
-        if l["kernel"] == "embed_gather" and cur:
+        if l["kernel"] == "embed_tokens" and cur:
             steps.append(cur)
             cur = []
         cur.append(l)

@@ -21,6 +21,7 @@ env "${kv[@]}" TAPEDECK_TRACE="/tmp/trace-$name.csv" timeout 100 "${BIN:-.device
   --concurrency 0 --turns 0 > "$out/trace-$name-bench.log" 2>&1
 grep -E "decode step" "$out/trace-$name-bench.log"
 python3 "$(dirname "$0")/trace_summary.py" "/tmp/trace-$name.csv" > "$out/trace-$name.md" 2>&1
+gzip -c "/tmp/trace-$name.csv" > "$out/trace-$name.csv.gz"
 head -1 "$out/trace-$name.md"
 grep -E "pick_|embed_" "$out/trace-$name.md" | head -4
 [ $# -gt 0 ] || set -- --layer 3

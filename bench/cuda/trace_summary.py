@@ -2,7 +2,7 @@
 row per block (kernel, sm, block, blocks, start_ns, waited_ns, end_ns).
 
 Blocks are grouped into launches (same kernel and grid size, in start order, `blocks` at a time),
-launches into steps (a step starts at `embed_gather`), and the steps with the most common launch
+launches into steps (a step starts at `embed_tokens`), and the steps with the most common launch
 sequence (the decode steps) are averaged over the middle ones: per launch of a step, when its first
 block started, when its PDL wait was released (the latest release over its blocks: when the kernel
 before it was done), when its last block ended, its span and the gap since the launch before it
@@ -45,7 +45,7 @@ def launches(path):
 def steps(ls):
     cur, all_steps = [], []
     for l in ls:
-        if l["kernel"] == "embed_gather" and cur:
+        if l["kernel"] == "embed_tokens" and cur:
             all_steps.append(cur)
             cur = []
         cur.append(l)

@@ -17,7 +17,12 @@
 //!   block per KV head instead of in the separate combine kernel (`kernel`, the default). The
 //!   same bits either way; in-kernel measured slower (llama-1b batch-1 decode on the H200: 724
 //!   against 852 tok/s; again in the twelfth session with the kernels releasing their PDL
-//!   dependents after their KV reads: 738–741 against 842–858, so that was not the cause).
+//!   dependents after their KV reads: 738–741 against 842–858, so that was not the cause). Since
+//!   the seventeenth session the merging block merges all of its group's heads at once
+//!   (`combine_group_fast`; it merged them head after head, three memory waits each): on an
+//!   H100, 834–849 against 867–874 tok/s, whether the kernel releases its dependents before the
+//!   merge, at its start (`DA_TRIGGER_LATE=0`) or at its exit (`DA_TRIGGER_AFTER_MERGE=1`); at a
+//!   4096-token context 684 against 819 (more splits than the fast merge takes).
 //! - `TAPEDECK_GEMV_GRID=K`: run the GEMV and gate/up kernels on at most K blocks per SM (1-8),
 //!   each looping over its rows with the next row's weights in flight (compiled with
 //!   `GEMV_PERSIST=1`), instead of one block per 8 rows (0, the default). A one-wave grid lets the
