@@ -12,7 +12,10 @@
 //! - `TAPEDECK_MMA_SPLIT_MIN=N`: the shortest split of the mma decode kernel's split-K (a
 //!   multiple of 64, default 128).
 //! - `TAPEDECK_GEMV_SLICE=N`: the longest slice of a weight row one GEMV warp reads (256, 512,
-//!   1024 or 2048, the default): shorter slices spread a row over more warps.
+//!   1024, 2048, the default, or 4096): shorter slices spread a row over more warps; 4096 gives
+//!   llama-1b's down projection two warps a row (8 KB of weights each, as gate/up has) instead
+//!   of four. Measured on an H100 (llama-1b batch-1 decode, seventeenth session): 2048 876 tok/s,
+//!   4096 852, 1024 796.
 //! - `TAPEDECK_MMA_MERGE=in-kernel`: merge the mma decode kernel's splits in the mma kernel's last
 //!   block per KV head instead of in the separate combine kernel (`kernel`, the default). The
 //!   same bits either way; in-kernel measured slower (llama-1b batch-1 decode on the H200: 724
@@ -254,8 +257,8 @@ impl Tuning {
             &var,
             "TAPEDECK_GEMV_SLICE",
             super::linears::GEMV_SLICE,
-            |n| [256, 512, 1024, 2048].contains(&n),
-            "256, 512, 1024 or 2048",
+            |n| [256, 512, 1024, 2048, 4096].contains(&n),
+            "256, 512, 1024, 2048 or 4096",
         );
         let gemv_grid = number(
             &var,
