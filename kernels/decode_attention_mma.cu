@@ -18,12 +18,19 @@
 //   in every kernel that reads the pool.
 //   decode_attn_combine(out, partial_out, partial_ml, context_lens, num_heads, head_dim,
 //                       split_len, max_splits)
+//   decode_attn_mma_cluster_{bf16,f32,fp8}kv (the mma kernels' arguments; `done` unused): the
+//                       mma kernel whose splits of one (KV head, sequence) form a thread block
+//                       cluster (sm_90+): after a cluster barrier, split 0's block merges them as
+//                       decode_attn_combine would, bit for bit, and no combine launch follows
+//                       (TAPEDECK_MMA_MERGE=cluster).
 //
 // Launch (host rule, see the doc):
 //   mma kernels: grid (num_kv_heads, num_seqs, max_splits), block 128 threads,
 //                dynamic shared memory DA_SMEM_BYTES (65536; raise the function's
 //                MAX_DYNAMIC_SHARED_SIZE_BYTES attribute to it first).
 //   combine:     grid (num_heads, num_seqs), block 256 threads, no dynamic shared memory.
+//   cluster:     as the mma kernels, with cluster dimensions (1, 1, max_splits), 2 <= max_splits <= 8
+//                (the portable cluster size); on an earlier architecture the kernel does nothing.
 //                Launch it after the mma kernel unless `done` is given or max_splits == 1 (it writes
 //                out[] for len == 0 and for sequences that needed more than one split; single-split
 //                sequences are written by the mma kernel directly and the combine kernel leaves them
@@ -780,6 +787,91 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
   // The attention's shared memory is free again (every thread passed the barrier above).
   merge_if_last_split<DA_THREADS>(done + (size_t)seq * nkv + kvh, ns, out, partial_out, partial_ml, context_lens, nh,
                                   head_dim, split_len, max_splits, kvh * group, group, seq, (float*)da_smem);
+}
+
+// Every thread of the cluster's blocks arrives with release semantics and waits with acquire
+// semantics: what any block of the cluster wrote before (its split's partials, in global memory)
+// is visible to every block after. Threads of blocks that exited count as arrived. sm_90+.
+__device__ __forceinline__ void cluster_sync_all() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+// The mma kernel with its splits merged inside their cluster (see the entry points' comment):
+// no split counter, no global fences, no combine launch.
+template <typename T>
+__device__ __forceinline__ void mma_cluster_entry(float* out, const float* q, const T* k_pool, const T* v_pool,
+                                                  const int* block_tables, const int* context_lens,
+                                                  float* partial_out, float* partial_ml, int mbps, int nh, int nkv,
+                                                  int bs, int head_dim, int split_len, int max_splits, float scale,
+                                                  const float* k_scale, const float* v_scale) {
+#if __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char da_smem[];
+  if (!DA_TRIGGER_LATE) da::pdl_trigger();
+  da::pdl_wait_only();
+  const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
+  // head_dim is the same for the whole grid, so every block of a cluster returns here or none.
+  if (head_dim == 64)
+    da::mma_impl<T, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh,
+                               nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale, v_scale);
+  else if (head_dim == 128)
+    da::mma_impl<T, 128, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps,
+                                nh, nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale,
+                                v_scale);
+  else
+    return;
+  // DA_TRIGGER_AFTER_MERGE: each block triggers as it exits, split 0's after its merge.
+  if (DA_TRIGGER_LATE && !DA_TRIGGER_AFTER_MERGE) da::pdl_trigger();
+  // Also a block barrier: the attention's shared memory is free for the merge after it.
+  cluster_sync_all();
+  if (split != 0 || nkv <= 0 || nh % nkv != 0 || split_len <= 0) return;
+  const int group = nh / nkv;
+  const int len = context_lens[seq];
+  if (len <= 0) {  // no split ran: the zeros decode_attn_combine would write
+    for (int j = 0; j < group; j++)
+      combine_head_t<DA_THREADS>(out, partial_out, partial_ml, context_lens, nh, head_dim, split_len, max_splits,
+                                 kvh * group + j, seq);
+    return;
+  }
+  const int ns = min((len + split_len - 1) / split_len, max_splits);
+  if (ns <= 1) return;  // one split wrote out[] itself
+  if (combine_group_fast<DA_THREADS>(out, partial_out, partial_ml, ns, nh, head_dim, max_splits, kvh * group, group,
+                                     seq, (float*)da_smem))
+    return;
+  for (int j = 0; j < group; j++) {
+    combine_head_t<DA_THREADS>(out, partial_out, partial_ml, context_lens, nh, head_dim, split_len, max_splits,
+                               kvh * group + j, seq);
+    __syncthreads();
+  }
+#endif
+}
+
+#define DA_CLUSTER_PARAMS(T)                                                                                         \
+  float *out, const float *q, const T *k_pool, const T *v_pool, const int *block_tables, const int *context_lens,    \
+      float *partial_out, float *partial_ml, int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, \
+      int head_dim, int split_len, int max_splits, float scale, unsigned *done, const float *k_scale,                 \
+      const float *v_scale
+#define DA_CLUSTER_ARGS                                                                                              \
+  out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, max_blocks_per_seq, num_heads,       \
+      num_kv_heads, block_size, head_dim, split_len, max_splits, scale, k_scale, v_scale
+
+extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
+decode_attn_mma_cluster_bf16kv(DA_CLUSTER_PARAMS(unsigned short)) {
+  TD_SCOPE("decode_attn_mma_cluster_bf16kv");
+  mma_cluster_entry<unsigned short>(DA_CLUSTER_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
+decode_attn_mma_cluster_f32kv(DA_CLUSTER_PARAMS(float)) {
+  TD_SCOPE("decode_attn_mma_cluster_f32kv");
+  mma_cluster_entry<float>(DA_CLUSTER_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)
+decode_attn_mma_cluster_fp8kv(DA_CLUSTER_PARAMS(unsigned char)) {
+  TD_SCOPE("decode_attn_mma_cluster_fp8kv");
+  mma_cluster_entry<unsigned char>(DA_CLUSTER_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(DA_THREADS, 3)

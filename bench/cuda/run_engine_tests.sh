@@ -41,6 +41,12 @@ status=0
       | tee "$out/$(basename "$t")-fuse-all.log"; then
     status=1
   fi
+  # The splits merged in their thread block cluster (TAPEDECK_MMA_MERGE=cluster): the megakernel
+  # test compares that path with the persistent kernel's merge bit for bit.
+  if ! TAPEDECK_MMA_MERGE=cluster timeout 200 "$t" megakernel graphs_replay mma_bf16_decode running_ahead \
+      --test-threads=1 --nocapture 2>&1 | tee "$out/$(basename "$t")-cluster-merge.log"; then
+    status=1
+  fi
 done
 
 if [ -x "$bin/tapedeck" ] && [ "${ONLY_TESTS:-0}" != 1 ]; then

@@ -1061,7 +1061,14 @@ fn cuda_megakernel_is_bit_identical_to_the_separate_kernels() {
             ",kv_dtype=bf16",
             ",pdl=on",
         ] {
+            let clustered = tapedeck_engine::cuda::cluster_merges();
             let plain = score(&format!("{base}{extra}"));
+            if std::env::var("TAPEDECK_MMA_MERGE").as_deref() == Ok("cluster") {
+                // The separate kernels' splits merged in their clusters (3-4 splits here).
+                let n = tapedeck_engine::cuda::cluster_merges() - clustered;
+                println!("{} [{base}{extra}]: {n} cluster-merged launches", spec.name);
+                assert!(n > 0, "{} [{base}{extra}]: no cluster merge ran", spec.name);
+            }
             let before = tapedeck_engine::cuda::persistent_steps();
             let mk = score(&format!("{base}{extra},megakernel=on"));
             let steps = tapedeck_engine::cuda::persistent_steps() - before;

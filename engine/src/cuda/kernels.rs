@@ -166,6 +166,9 @@ pub const DECODE_MMA: KernelSource = KernelSource {
         "decode_attn_mma_f32kv",
         "decode_attn_mma_fp8kv",
         "decode_attn_combine",
+        "decode_attn_mma_cluster_bf16kv",
+        "decode_attn_mma_cluster_f32kv",
+        "decode_attn_mma_cluster_fp8kv",
     ],
 };
 

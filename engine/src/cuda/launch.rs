@@ -23,6 +23,8 @@ pub(super) struct PoolKernels {
     pub(super) attention_scores: CudaFunction,
     /// The tensor-core decode kernel (`attn_decode=mma-bf16`).
     pub(super) decode_mma: CudaFunction,
+    /// The same in thread block clusters that merge their splits (`TAPEDECK_MMA_MERGE=cluster`).
+    pub(super) decode_mma_cluster: CudaFunction,
     /// The tiled prefill kernel for this model's head_dim (none for other head dims).
     pub(super) prefill: Option<CudaFunction>,
     /// The tensor-core prefill kernel (`attn_prefill=mma-bf16`; head_dim 64 and 128 only, the
@@ -150,6 +152,11 @@ impl Kernels {
                 attention: f(&format!("attention{sfx}"))?,
                 attention_scores: f(&format!("attention_scores{sfx}"))?,
                 decode_mma: load_with_smem(&mma, &mma_name, kernels::DECODE_MMA_SMEM)?,
+                decode_mma_cluster: load_with_smem(
+                    &mma,
+                    &format!("decode_attn_mma_cluster{}", elem.mma_suffix()),
+                    kernels::DECODE_MMA_SMEM,
+                )?,
                 prefill: prefill
                     .as_ref()
                     .map(|m| {
@@ -276,11 +283,39 @@ impl Args {
                 grid,
                 block,
                 shared_bytes,
-                LaunchAttr::Pdl,
+                &[LaunchAttr::Pdl],
                 &mut params,
             )
         }
         .map_err(|e| dev_err("kernel launch (PDL)", e))
+    }
+
+    /// `launch_3d` in thread block clusters of `cluster_z` blocks along z (sm_90+), with
+    /// programmatic dependent launch when `pdl`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_cluster(
+        mut self,
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (usize, usize, usize),
+        block: usize,
+        shared_bytes: usize,
+        cluster_z: usize,
+        pdl: bool,
+    ) -> Result<()> {
+        let mut params: Vec<*mut c_void> = self.slots[..self.n]
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect();
+        let cluster = LaunchAttr::ClusterZ(cluster_z);
+        let attrs: &[LaunchAttr] = if pdl {
+            &[cluster, LaunchAttr::Pdl]
+        } else {
+            &[cluster]
+        };
+        // SAFETY: as in `launch_3d`.
+        unsafe { launch_ex(stream, func, grid, block, shared_bytes, attrs, &mut params) }
+            .map_err(|e| dev_err("kernel launch (cluster)", e))
     }
 
     pub(super) fn launch_3d(
@@ -311,7 +346,7 @@ impl Args {
     }
 }
 
-/// The one launch attribute [`launch_ex`] sets.
+/// A launch attribute [`launch_ex`] sets.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum LaunchAttr {
     /// Programmatic stream serialization: the kernel may start before the previous one on the
@@ -319,9 +354,11 @@ pub(super) enum LaunchAttr {
     Pdl,
     /// Every block resident at once, or the launch is refused (grid-wide barriers need it).
     Cooperative,
+    /// Thread block clusters of this many blocks along z (sm_90+; at most 8, the portable size).
+    ClusterZ(usize),
 }
 
-/// `cuLaunchKernelEx` with one launch attribute; capturable into CUDA graphs like a plain launch.
+/// `cuLaunchKernelEx` with launch attributes; capturable into CUDA graphs like a plain launch.
 ///
 /// # Safety
 /// `params` must match `func`'s parameters and point at live values; every device pointer among
@@ -332,27 +369,38 @@ pub(super) unsafe fn launch_ex(
     grid: (usize, usize, usize),
     block: usize,
     shared_bytes: usize,
-    attr: LaunchAttr,
+    attrs: &[LaunchAttr],
     params: &mut [*mut c_void],
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
     use cudarc::driver::sys;
-    // SAFETY: an all-zero launch attribute value is valid (a plain C union of integers).
-    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-    let id = match attr {
-        LaunchAttr::Pdl => {
-            value.programmaticStreamSerializationAllowed = 1;
-            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        }
-        LaunchAttr::Cooperative => {
-            value.cooperative = 1;
-            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-        }
-    };
-    let mut attr = sys::CUlaunchAttribute {
-        id,
-        pad: [0; 4],
-        value,
-    };
+    let mut attrs: Vec<sys::CUlaunchAttribute> = attrs
+        .iter()
+        .map(|attr| {
+            // SAFETY: an all-zero launch attribute value is valid (a plain C union of integers).
+            let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+            let id = match *attr {
+                LaunchAttr::Pdl => {
+                    value.programmaticStreamSerializationAllowed = 1;
+                    sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                }
+                LaunchAttr::Cooperative => {
+                    value.cooperative = 1;
+                    sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+                }
+                LaunchAttr::ClusterZ(z) => {
+                    value.clusterDim.x = 1;
+                    value.clusterDim.y = 1;
+                    value.clusterDim.z = z as u32;
+                    sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                }
+            };
+            sys::CUlaunchAttribute {
+                id,
+                pad: [0; 4],
+                value,
+            }
+        })
+        .collect();
     let config = sys::CUlaunchConfig {
         gridDimX: grid.0 as u32,
         gridDimY: grid.1 as u32,
@@ -362,8 +410,8 @@ pub(super) unsafe fn launch_ex(
         blockDimZ: 1,
         sharedMemBytes: shared_bytes as u32,
         hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: attrs.len() as u32,
     };
     // SAFETY: `config` and `attr` outlive the call; the caller vouches for `params`.
     unsafe {

@@ -120,6 +120,16 @@ pub fn persistent_steps() -> u64 {
     PERSISTENT_STEPS.load(Ordering::Relaxed)
 }
 
+/// Launches of the mma decode kernel whose splits merged in their thread block cluster
+/// (`TAPEDECK_MMA_MERGE=cluster`) in this process: so a test can tell the path ran.
+static CLUSTER_MERGES: AtomicU64 = AtomicU64::new(0);
+
+/// How many mma decode launches so far merged their splits in clusters (a graph replay launches
+/// nothing, so this counts captures and eager passes).
+pub fn cluster_merges() -> u64 {
+    CLUSTER_MERGES.load(Ordering::Relaxed)
+}
+
 /// Layers recorded with RoPE + KV write fused into the q/k/v GEMV, and with the split merge fused
 /// into the o GEMV (`fuse=on`), in this process: so a test can tell that each fusion took effect.
 static FUSED_ROPE: AtomicU64 = AtomicU64::new(0);
@@ -185,7 +195,8 @@ struct Gpu {
     k: Kernels,
     /// Multiprocessors (for the split-K rule).
     sms: usize,
-    /// Programmatic dependent launch exists (compute capability 9.0 and later).
+    /// Programmatic dependent launch and thread block clusters exist (compute capability 9.0
+    /// and later).
     pdl_capable: bool,
     /// Blocks per SM of the streaming one-row GEMV kernels, 0 for the default kernels
     /// (`TAPEDECK_GEMV_STREAM`; [`check`] sets it to run both).

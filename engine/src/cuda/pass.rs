@@ -20,13 +20,17 @@ use super::meta::{
     build_meta, device_pick, parse_pick, pick_words, Meta, Pad, FED_WORD, PICK_CHUNK,
 };
 use super::{
-    dev_err, kernels, kv_key, split_rule, step, tune, Graph, GraphKey, Inner, FUSED_MERGE,
-    FUSED_ROPE, GRAPH_CACHE,
+    dev_err, kernels, kv_key, split_rule, step, tune, Graph, GraphKey, Inner, CLUSTER_MERGES,
+    FUSED_MERGE, FUSED_ROPE, GRAPH_CACHE,
 };
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::model::{Logits, Segment, WantLogits};
 use crate::toggles::{AttnDecode, AttnPrefill, KvDtype, Pdl, Precision, SmallGemm, Toggles};
+
+/// Most splits one thread block cluster of the mma decode kernel takes (the portable cluster
+/// size).
+const MMA_CLUSTER_MAX: usize = 8;
 
 /// The first `bytes` of a linear layer's bf16 weights (all of them at most), as an L2 prefetch
 /// range: its first rows, which the first blocks of its GEMV read.
@@ -100,6 +104,9 @@ pub(super) struct MmaPass {
     /// The split counters, (rows, KV heads) zeroed words, when the mma kernel merges its own
     /// splits (`TAPEDECK_MMA_MERGE=in-kernel`); else 0 and the combine kernel runs.
     pub(super) done: u64,
+    /// The splits run as thread block clusters that merge them (`TAPEDECK_MMA_MERGE=cluster`,
+    /// where the GPU has clusters and there are 2 to 8 splits): no combine launch.
+    pub(super) cluster: bool,
 }
 
 impl Inner {
@@ -196,11 +203,14 @@ impl Inner {
                 partial_ml: ensure(&mut sc.partial_ml, ctx, nr * nh * max_splits * 2 * 4, g)?,
                 split_len,
                 max_splits,
-                done: if tune::get().mma_merge_in_kernel {
+                done: if tune::get().mma_merge == tune::MmaMerge::InKernel {
                     ensure_zeroed(&mut sc.mma_done, ctx, nr * nkv * 4, g)?
                 } else {
                     0
                 },
+                cluster: tune::get().mma_merge == tune::MmaMerge::Cluster
+                    && self.gpu.pdl_capable
+                    && (2..=MMA_CLUSTER_MAX).contains(&max_splits),
             })
         } else {
             None
@@ -593,7 +603,7 @@ impl Inner {
                         256,
                     )?;
                 }
-                Args::new()
+                let mma_args = Args::new()
                     .p(m.o_dec)
                     .p(m.q_dec)
                     .p(kp)
@@ -612,15 +622,29 @@ impl Inner {
                     .f(pass.scale)
                     .p(m.done)
                     .p(ksc)
-                    .p(vsc)
-                    .launch_pdl(
+                    .p(vsc);
+                let grid = (nkv, nr, m.max_splits);
+                if m.cluster {
+                    CLUSTER_MERGES.fetch_add(1, Ordering::Relaxed);
+                    mma_args.launch_cluster(
+                        s,
+                        &pk.decode_mma_cluster,
+                        grid,
+                        128,
+                        kernels::DECODE_MMA_SMEM,
+                        m.max_splits,
+                        early,
+                    )?;
+                } else {
+                    mma_args.launch_pdl(
                         s,
                         &pk.decode_mma,
-                        (nkv, nr, m.max_splits),
+                        grid,
                         128,
                         kernels::DECODE_MMA_SMEM,
                         early,
                     )?;
+                }
                 let merged = MergedSplits {
                     att: m.o_dec,
                     partial_out: m.partial_out,
@@ -635,13 +659,14 @@ impl Inner {
                 // and the merged rows fit its shared memory.
                 if pass.fuse.merge
                     && m.done == 0
+                    && !m.cluster
                     && !m.gather
                     && m.max_splits <= FUSED_MERGE_MAX_SPLITS
                     && merged.smem(n, q_dim) <= GEMV_NORM_SMEM
                 {
                     o_in = GemvIn::Merged(merged);
                     FUSED_MERGE.fetch_add(1, Ordering::Relaxed);
-                } else if m.done == 0 && m.max_splits > 1 {
+                } else if m.done == 0 && !m.cluster && m.max_splits > 1 {
                     // With one split the mma kernel writes the attention output itself.
                     Args::new()
                         .p(m.o_dec)

@@ -255,7 +255,7 @@ impl Megakernel {
                 (self.grid, 1, 1),
                 THREADS,
                 smem,
-                LaunchAttr::Cooperative,
+                &[LaunchAttr::Cooperative],
                 args,
             )
         }

@@ -26,6 +26,10 @@
 //!   H100, 834–849 against 867–874 tok/s, whether the kernel releases its dependents before the
 //!   merge, at its start (`DA_TRIGGER_LATE=0`) or at its exit (`DA_TRIGGER_AFTER_MERGE=1`); at a
 //!   4096-token context 684 against 819 (more splits than the fast merge takes).
+//!   `TAPEDECK_MMA_MERGE=cluster`: the splits of a KV head run as one thread block cluster
+//!   (sm_90+, at most 8 splits, else the combine kernel), which meets at a cluster barrier, and
+//!   split 0's block merges them: no counter, no global fence, no combine launch. The same bits.
+//!   Not yet run on a GPU (written in the seventeenth session).
 //! - `TAPEDECK_GEMV_GRID=K`: run the GEMV and gate/up kernels on at most K blocks per SM (1-8),
 //!   each looping over its rows with the next row's weights in flight (compiled with
 //!   `GEMV_PERSIST=1`), instead of one block per 8 rows (0, the default). A one-wave grid lets the
@@ -198,9 +202,8 @@ pub(crate) struct Tuning {
     pub gemv_stream: usize,
     /// The GEMV kernels' longest slice per warp, in inputs.
     pub gemv_slice: usize,
-    /// Whether the mma decode kernel merges its own splits (else the combine kernel runs, the
-    /// default).
-    pub mma_merge_in_kernel: bool,
+    /// Where the mma decode kernel's splits are merged.
+    pub mma_merge: MmaMerge,
     /// KV pools store f32 for every `kv_dtype` (`TAPEDECK_KV_STORAGE=f32`).
     pub kv_f32: bool,
     /// The per-pass index upload and token download go through page-locked host buffers
@@ -280,7 +283,11 @@ impl Tuning {
         if trace.is_some() {
             nvrtc_defines.push("-DTD_TRACE=1".into());
         }
-        let mma_merge_in_kernel = second(&var, "TAPEDECK_MMA_MERGE", ["kernel", "in-kernel"]);
+        let mma_merge = [MmaMerge::Kernel, MmaMerge::InKernel, MmaMerge::Cluster][choice(
+            &var,
+            "TAPEDECK_MMA_MERGE",
+            &["kernel", "in-kernel", "cluster"],
+        )];
         let kv_f32 = second(&var, "TAPEDECK_KV_STORAGE", ["packed", "f32"]);
         let pinned = second(&var, "TAPEDECK_HOST_COPIES", ["pageable", "pinned"]);
         let run_ahead = !second(&var, "TAPEDECK_RUN_AHEAD", ["on", "off"]);
@@ -292,7 +299,7 @@ impl Tuning {
             gemv_grid,
             gemv_stream,
             gemv_slice,
-            mma_merge_in_kernel,
+            mma_merge,
             kv_f32,
             pinned,
             run_ahead,
@@ -304,15 +311,32 @@ impl Tuning {
 /// Whether variable `name` (read through `var`) names the second of its two values: unset or
 /// anything else (with a warning) is the first, the default.
 fn second(var: impl Fn(&str) -> Option<String>, name: &str, values: [&str; 2]) -> bool {
+    choice(var, name, &values) == 1
+}
+
+/// Which of `values` variable `name` (read through `var`) names, by index: unset or anything
+/// else (with a warning) is the first, the default.
+fn choice(var: impl Fn(&str) -> Option<String>, name: &str, values: &[&str]) -> usize {
     match var(name).as_deref().map(str::trim) {
-        None => false,
-        Some(v) if v == values[0] => false,
-        Some(v) if v == values[1] => true,
-        Some(other) => {
-            tracing::warn!("{name}: want {} or {}, not {other:?}", values[0], values[1]);
-            false
-        }
+        None => 0,
+        Some(v) => values.iter().position(|&w| w == v).unwrap_or_else(|| {
+            tracing::warn!("{name}: want one of {}, not {v:?}", values.join(", "));
+            0
+        }),
     }
+}
+
+/// Where the mma decode kernel's splits are merged (`TAPEDECK_MMA_MERGE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum MmaMerge {
+    /// The separate combine kernel.
+    #[default]
+    Kernel,
+    /// The mma kernel's last block per KV head (a counter in global memory).
+    InKernel,
+    /// Split 0's block of a thread block cluster holding the KV head's splits (sm_90+, at most 8
+    /// splits; the combine kernel otherwise).
+    Cluster,
 }
 
 /// Variable `name`'s number (read through `var`), `default` when unset or not one that `ok`
@@ -364,7 +388,7 @@ mod tests {
                 gemv_grid: 0,
                 gemv_stream: 0,
                 gemv_slice: 2048,
-                mma_merge_in_kernel: false,
+                mma_merge: MmaMerge::Kernel,
                 kv_f32: false,
                 pinned: false,
                 run_ahead: true,
@@ -387,7 +411,11 @@ mod tests {
         assert_eq!(t.split_min, 128, "96 is not a multiple of 64");
         assert_eq!(t.gemv_slice, 2048, "100 is not a slice length");
         assert_eq!(t.gemv_grid, 0, "9 blocks per SM is out of range");
-        assert!(t.mma_merge_in_kernel);
+        assert_eq!(t.mma_merge, MmaMerge::InKernel);
+        let cluster = parse(&[("TAPEDECK_MMA_MERGE", "cluster")]).mma_merge;
+        assert_eq!(cluster, MmaMerge::Cluster);
+        let bad = parse(&[("TAPEDECK_MMA_MERGE", "clusters")]).mma_merge;
+        assert_eq!(bad, MmaMerge::Kernel);
         assert_eq!(t.gemv_stream, 0, "3 blocks per SM would not fit");
         assert_eq!(parse(&[("TAPEDECK_GEMV_STREAM", "2")]).gemv_stream, 2);
         assert!(!t.kv_f32, "fp16 is not a storage choice");
