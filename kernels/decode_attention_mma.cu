@@ -741,6 +741,25 @@ __device__ __forceinline__ void merge_if_last_split(unsigned* counter, int ns, f
   }
 }
 
+// Block (kvh, seq, split)'s attention (mma_impl) for the head_dims it takes; false (nothing
+// done) for another head_dim.
+template <typename T>
+__device__ __forceinline__ bool mma_block(float* out, const float* q, const T* k_pool, const T* v_pool,
+                                          const int* block_tables, const int* context_lens, float* partial_out,
+                                          float* partial_ml, int mbps, int nh, int nkv, int bs, int head_dim,
+                                          int split_len, int max_splits, float scale, unsigned char* smem, int kvh,
+                                          int seq, int split, const float* k_scale, const float* v_scale) {
+  if (head_dim == 64)
+    da::mma_impl<T, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh,
+                               nkv, bs, split_len, max_splits, scale, smem, kvh, seq, split, k_scale, v_scale);
+  else if (head_dim == 128)
+    da::mma_impl<T, 128, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps,
+                                nh, nkv, bs, split_len, max_splits, scale, smem, kvh, seq, split, k_scale, v_scale);
+  else
+    return false;
+  return true;
+}
+
 // With `done` (num_seqs * num_kv_heads zeroed words, left zeroed), the mma kernel merges its own
 // splits: the block that finishes a (sequence, KV head)'s splits last merges them for the group's
 // query heads, computing what decode_attn_combine computes, bit for bit; the combine launch is then
@@ -755,14 +774,8 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
   if (!DA_TRIGGER_LATE) da::pdl_trigger();
   da::pdl_wait_only();
   const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
-  if (head_dim == 64)
-    da::mma_impl<T, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh,
-                               nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale, v_scale);
-  else if (head_dim == 128)
-    da::mma_impl<T, 128, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps,
-                                nh, nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale,
-                                v_scale);
-  else
+  if (!mma_block<T>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh, nkv, bs,
+                    head_dim, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale, v_scale))
     return;
   // DA_TRIGGER_AFTER_MERGE: with `done`, no early trigger at all (a block then triggers as it
   // exits, the merging block after its merge), so the successor's weight prefetch does not
@@ -812,14 +825,8 @@ __device__ __forceinline__ void mma_cluster_entry(float* out, const float* q, co
   da::pdl_wait_only();
   const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
   // head_dim is the same for the whole grid, so every block of a cluster returns here or none.
-  if (head_dim == 64)
-    da::mma_impl<T, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh,
-                               nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale, v_scale);
-  else if (head_dim == 128)
-    da::mma_impl<T, 128, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps,
-                                nh, nkv, bs, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale,
-                                v_scale);
-  else
+  if (!mma_block<T>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh, nkv, bs,
+                    head_dim, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale, v_scale))
     return;
   // DA_TRIGGER_AFTER_MERGE: each block triggers as it exits, split 0's after its merge.
   if (DA_TRIGGER_LATE && !DA_TRIGGER_AFTER_MERGE) da::pdl_trigger();

@@ -260,7 +260,7 @@ impl Args {
     /// the GEMV kernels, RoPE + KV write, RMSNorm, decode attention and its merge and the picks
     /// do).
     pub(super) fn launch_pdl(
-        mut self,
+        self,
         stream: &CudaStream,
         func: &CudaFunction,
         grid: (usize, usize, usize),
@@ -271,30 +271,14 @@ impl Args {
         if !pdl {
             return self.launch_3d(stream, func, grid, block, shared_bytes);
         }
-        let mut params: Vec<*mut c_void> = self.slots[..self.n]
-            .iter_mut()
-            .map(|s| s as *mut u64 as *mut c_void)
-            .collect();
-        // SAFETY: as in `launch_3d`.
-        unsafe {
-            launch_ex(
-                stream,
-                func,
-                grid,
-                block,
-                shared_bytes,
-                &[LaunchAttr::Pdl],
-                &mut params,
-            )
-        }
-        .map_err(|e| dev_err("kernel launch (PDL)", e))
+        self.launch_with(stream, func, grid, block, shared_bytes, &[LaunchAttr::Pdl])
     }
 
     /// `launch_3d` in thread block clusters of `cluster_z` blocks along z (sm_90+), with
     /// programmatic dependent launch when `pdl`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_cluster(
-        mut self,
+        self,
         stream: &CudaStream,
         func: &CudaFunction,
         grid: (usize, usize, usize),
@@ -303,19 +287,37 @@ impl Args {
         cluster_z: usize,
         pdl: bool,
     ) -> Result<()> {
-        let mut params: Vec<*mut c_void> = self.slots[..self.n]
-            .iter_mut()
-            .map(|s| s as *mut u64 as *mut c_void)
-            .collect();
         let cluster = LaunchAttr::ClusterZ(cluster_z);
         let attrs: &[LaunchAttr] = if pdl {
             &[cluster, LaunchAttr::Pdl]
         } else {
             &[cluster]
         };
+        self.launch_with(stream, func, grid, block, shared_bytes, attrs)
+    }
+
+    /// `launch_3d` through `cuLaunchKernelEx` with launch attributes.
+    fn launch_with(
+        mut self,
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (usize, usize, usize),
+        block: usize,
+        shared_bytes: usize,
+        attrs: &[LaunchAttr],
+    ) -> Result<()> {
+        let mut params = self.param_ptrs();
         // SAFETY: as in `launch_3d`.
         unsafe { launch_ex(stream, func, grid, block, shared_bytes, attrs, &mut params) }
-            .map_err(|e| dev_err("kernel launch (cluster)", e))
+            .map_err(|e| dev_err(&format!("kernel launch ({attrs:?})"), e))
+    }
+
+    /// Pointers to the packed arguments, as a launch takes them.
+    fn param_ptrs(&mut self) -> Vec<*mut c_void> {
+        self.slots[..self.n]
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect()
     }
 
     pub(super) fn launch_3d(
@@ -326,10 +328,7 @@ impl Args {
         block: usize,
         shared_bytes: usize,
     ) -> Result<()> {
-        let mut params: Vec<*mut c_void> = self.slots[..self.n]
-            .iter_mut()
-            .map(|s| s as *mut u64 as *mut c_void)
-            .collect();
+        let mut params = self.param_ptrs();
         // SAFETY: the argument list matches the kernel's signature in kernels/engine.cu (the
         // callers below are written against it), and every pointer is a live device buffer.
         unsafe {
