@@ -27,7 +27,7 @@ if command -v ncu > /dev/null; then
     --launch-count 6 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
     --section Occupancy .device/tapedeck bench engine --device cuda --model llama-1b "${ta[@]}" \
     --prompt-len 512 --gen 32 --concurrency 0 --turns 0 > $OUT/ncu-mlp.txt 2>&1
-  grep -E "gemv_bf16|DRAM Throughput|Memory Throughput|Duration|Achieved Occupancy|Stall|Warp Cycles Per Issued" \
+  grep -E "gemv_bf16|Grid Size|Registers Per|DRAM Throughput|Memory Throughput|Duration|Achieved Occupancy|Stall|Warp Cycles Per Issued" \
     $OUT/ncu-mlp.txt | head -60
 fi
 echo "done at ${SECONDS}s"
