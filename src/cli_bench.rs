@@ -249,7 +249,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 100.0 * busy / step,
                 weight_bytes as f64 / busy / 1e9
             );
-            host_line(&mut host_decode);
+            host_line(&mut host_decode, engine.runs_ahead());
         }
         let handle = EngineHandle::start(
             engine.clone(),
@@ -366,8 +366,9 @@ fn multi_turn(
 /// Prints where the host's time in the decode passes went (the CUDA backend's
 /// [`cuda::HostSplit`]) in the run of median decode rate, of `(rate, split)` per run, against
 /// that run's wall time per step: what is left is the scheduler's and the sampler's, outside the
-/// backend. (One run, not a mean: the first run's passes also capture graphs.)
-fn host_line(runs: &mut [(f64, cuda::HostSplit)]) {
+/// backend. (One run, not a mean: the first run's passes also capture graphs.) `ahead`: the
+/// engine submitted each step before reading the one before back, so these overlap the device.
+fn host_line(runs: &mut [(f64, cuda::HostSplit)], ahead: bool) {
     runs.sort_by(|a, b| a.0.total_cmp(&b.0));
     let Some(&(rate, split)) = runs.get(runs.len() / 2) else {
         return;
@@ -378,12 +379,13 @@ fn host_line(runs: &mut [(f64, cuda::HostSplit)]) {
     let us = |d: std::time::Duration| d.as_secs_f64() * 1e6 / split.passes as f64;
     let inside = us(split.prepare) + us(split.launch) + us(split.wait) + us(split.read);
     println!(
-        "host per decode step: prepare {:.1} µs, launch {:.1} µs, wait for the device {:.1} µs, read {:.1} µs; outside the backend {:.1} µs",
+        "host per decode step: prepare {:.1} µs, launch {:.1} µs, wait for the device {:.1} µs, read {:.1} µs; outside the backend {:.1} µs{}",
         us(split.prepare),
         us(split.launch),
         us(split.wait),
         us(split.read),
-        1e6 / rate.max(1e-9) - inside
+        1e6 / rate.max(1e-9) - inside,
+        if ahead { " (steps run ahead)" } else { "" }
     );
 }
 

@@ -136,6 +136,11 @@ impl Engine {
         self.context_len
     }
 
+    /// Whether `generate` runs its decode steps one ahead (see [`Engine::set_run_ahead`]).
+    pub fn runs_ahead(&self) -> bool {
+        self.run_ahead
+    }
+
     /// Whether `generate` runs its decode steps one ahead (see [`Backend::runs_ahead`]; the
     /// backend's choice by default). The tokens are the same either way, so a test can run
     /// ahead where the backend gains nothing and an A/B can turn it off where it does.
