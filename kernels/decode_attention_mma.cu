@@ -711,11 +711,27 @@ __device__ __forceinline__ bool combine_group_fast(float* out, const float* part
   return true;
 }
 
+// The `ns` splits of query heads head0 .. head0 + group - 1 merged by the block's PT threads, as
+// decode_attn_combine would: all heads at once through `smem` where combine_group_fast applies,
+// else head after head.
+template <int PT>
+__device__ __forceinline__ void merge_group(int ns, float* out, const float* partial_out, const float* partial_ml,
+                                            const int* context_lens, int num_heads, int head_dim, int split_len,
+                                            int max_splits, int head0, int group, int seq, float* smem) {
+  if (combine_group_fast<PT>(out, partial_out, partial_ml, ns, num_heads, head_dim, max_splits, head0, group, seq,
+                             smem))
+    return;
+  for (int j = 0; j < group; j++) {
+    combine_head_t<PT>(out, partial_out, partial_ml, context_lens, num_heads, head_dim, split_len, max_splits,
+                       head0 + j, seq);
+    __syncthreads();
+  }
+}
+
 // After a block has written its split's partials (and met its threads at a barrier): counts it
 // in `counter` (one per sequence and KV head, zero between launches), and if it is the last of
 // the `ns` splits to finish, resets the counter and merges the splits of the group's query heads
-// head0 .. head0 + group - 1 as decode_attn_combine would (all heads at once through `smem`
-// where combine_group_fast applies, else head after head). Every one of the block's PT threads
+// head0 .. head0 + group - 1 (merge_group). Every one of the block's PT threads
 // calls it. Used by the mma kernels' own merge and the persistent decode kernel.
 template <int PT>
 __device__ __forceinline__ void merge_if_last_split(unsigned* counter, int ns, float* out, const float* partial_out,
@@ -731,14 +747,8 @@ __device__ __forceinline__ void merge_if_last_split(unsigned* counter, int ns, f
   }
   __syncthreads();
   if (!last) return;
-  if (combine_group_fast<PT>(out, partial_out, partial_ml, ns, num_heads, head_dim, max_splits, head0, group, seq,
-                             smem))
-    return;
-  for (int j = 0; j < group; j++) {
-    combine_head_t<PT>(out, partial_out, partial_ml, context_lens, num_heads, head_dim, split_len, max_splits,
-                       head0 + j, seq);
-    __syncthreads();
-  }
+  merge_group<PT>(ns, out, partial_out, partial_ml, context_lens, num_heads, head_dim, split_len, max_splits, head0,
+                  group, seq, smem);
 }
 
 // Block (kvh, seq, split)'s attention (mma_impl) for the head_dims it takes; false (nothing
@@ -843,14 +853,8 @@ __device__ __forceinline__ void mma_cluster_entry(float* out, const float* q, co
   }
   const int ns = min((len + split_len - 1) / split_len, max_splits);
   if (ns <= 1) return;  // one split wrote out[] itself
-  if (combine_group_fast<DA_THREADS>(out, partial_out, partial_ml, ns, nh, head_dim, max_splits, kvh * group, group,
-                                     seq, (float*)da_smem))
-    return;
-  for (int j = 0; j < group; j++) {
-    combine_head_t<DA_THREADS>(out, partial_out, partial_ml, context_lens, nh, head_dim, split_len, max_splits,
-                               kvh * group + j, seq);
-    __syncthreads();
-  }
+  merge_group<DA_THREADS>(ns, out, partial_out, partial_ml, context_lens, nh, head_dim, split_len, max_splits,
+                          kvh * group, group, seq, (float*)da_smem);
 #endif
 }
 

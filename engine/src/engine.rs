@@ -230,6 +230,24 @@ impl Engine {
         Ok(dec.finish())
     }
 
+    /// Chooses a token from `logits` and streams it (`full`: the context has no room for another
+    /// position). Returns the token and whether generation goes on; a caller that stopped
+    /// listening cancels it.
+    fn emit(
+        &self,
+        dec: &mut Decoding,
+        logits: Logits,
+        full: bool,
+        on_token: &mut dyn FnMut(&TokenEvent) -> bool,
+    ) -> Result<(u32, bool)> {
+        let (event, finished) = dec.step(logits, &self.tokenizer, full)?;
+        if !on_token(&event) {
+            dec.cancel();
+            return Ok((event.id, false));
+        }
+        Ok((event.id, !finished))
+    }
+
     /// Decode steps one after another, each submitted once the token before it is read.
     fn decode(
         &self,
@@ -241,15 +259,11 @@ impl Engine {
     ) -> Result<()> {
         loop {
             let full = cache.len() + 1 >= self.context_len();
-            let (event, finished) = dec.step(logits, &self.tokenizer, full)?;
-            if !on_token(&event) {
-                dec.cancel();
+            let (id, go_on) = self.emit(dec, logits, full, on_token)?;
+            if !go_on {
                 return Ok(());
             }
-            if finished {
-                return Ok(());
-            }
-            logits = self.forward_one(&[event.id], cache, true, dec.want(), toggles)?;
+            logits = self.forward_one(&[id], cache, true, dec.want(), toggles)?;
         }
     }
 
@@ -269,17 +283,13 @@ impl Engine {
         on_token: &mut dyn FnMut(&TokenEvent) -> bool,
     ) -> Result<()> {
         let ctx = self.context_len();
-        let (event, finished) = dec.step(logits, &self.tokenizer, cache.len() + 1 >= ctx)?;
-        if !on_token(&event) {
-            dec.cancel();
-            return Ok(());
-        }
-        if finished {
+        let (id, go_on) = self.emit(dec, logits, cache.len() + 1 >= ctx, on_token)?;
+        if !go_on {
             return Ok(());
         }
         // The step in flight produces token number `n`; the cache counts its input.
         let mut n = dec.tokens().len();
-        let mut cur = self.submit_step(cache, Feed::Token(event.id), dec.want_at(n), toggles)?;
+        let mut cur = self.submit_step(cache, Feed::Token(id), dec.want_at(n), toggles)?;
         loop {
             // The next step's input is token n, at position cache.len(): submitted where
             // generation can go on past token n (the rules `Decoding::step` applies).
@@ -300,35 +310,23 @@ impl Engine {
             };
             // The cache length the step of token n saw, without the step ahead.
             let seen = cache.len() - usize::from(ahead.is_some());
-            let stepped = self
+            let emitted = self
                 .backend
                 .collect(cur)
-                .and_then(|l| dec.step(l, &self.tokenizer, seen + 1 >= ctx));
-            let (event, finished) = match stepped {
-                Ok(v) => v,
-                Err(e) => {
+                .and_then(|l| self.emit(dec, l, seen + 1 >= ctx, on_token));
+            n += 1;
+            match (emitted, ahead) {
+                (Ok((_, true)), Some(a)) => cur = a,
+                // Not expected (the rule above mirrors `Decoding::step`), but should generation
+                // go on without a step ahead, submit it now: the same tokens, no overlap.
+                (Ok((id, true)), None) => {
+                    cur = self.submit_step(cache, Feed::Token(id), dec.want_at(n), toggles)?
+                }
+                (done, ahead) => {
                     if let Some(a) = ahead {
                         self.backend.discard(a);
                     }
-                    return Err(e);
-                }
-            };
-            let cancelled = !on_token(&event);
-            if cancelled {
-                dec.cancel();
-            }
-            n += 1;
-            match ahead {
-                Some(a) if !cancelled && !finished => cur = a,
-                Some(a) => {
-                    self.backend.discard(a);
-                    return Ok(());
-                }
-                None if cancelled || finished => return Ok(()),
-                // Not expected (the rule above mirrors `Decoding::step`), but should generation
-                // go on without a step ahead, submit it now: the same tokens, no overlap.
-                None => {
-                    cur = self.submit_step(cache, Feed::Token(event.id), dec.want_at(n), toggles)?
+                    return done.map(|_| ());
                 }
             }
         }

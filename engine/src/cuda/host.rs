@@ -16,7 +16,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaStream, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
 };
 
-use super::dev_err;
+use super::{dev_err, timing_event};
 use crate::error::{Error, Result};
 
 /// Where the host's time in the backend's passes went, summed over the process (all CUDA
@@ -164,10 +164,9 @@ impl HostCopies {
             HostCopies::Pageable { picks } => {
                 picks.clear();
                 picks.resize(len, 0);
-                // SAFETY: `src` holds `len` words; the vector is read only after the stream
-                // synchronizes and is not resized before.
-                unsafe { dr::memcpy_dtoh_async(picks, src, stream.cu_stream()) }
-                    .map_err(|e| dev_err("downloading picked tokens", e))
+                // The vector is read only after the stream synchronizes and is not resized
+                // before.
+                download_picks(picks, src, stream)
             }
         }
     }
@@ -234,10 +233,8 @@ impl Pinned {
     /// Enqueues the copy of `len` words at device address `src` into the pinned buffer on
     /// `stream`; [`Pinned::downloaded`] reads them once the stream has synchronized.
     pub fn download(&mut self, src: u64, len: usize, stream: &CudaStream) -> Result<()> {
-        let buf = room(&self.ctx, &mut self.picks, len, 0)?;
-        // SAFETY: `src` holds `len` words; the buffer is read only after the stream synchronizes.
-        unsafe { dr::memcpy_dtoh_async(buf, src, stream.cu_stream()) }
-            .map_err(|e| dev_err("downloading picked tokens", e))
+        // The buffer is read only after the stream synchronizes.
+        download_picks(room(&self.ctx, &mut self.picks, len, 0)?, src, stream)
     }
 
     /// The first `len` words of the last download (after the stream has synchronized).
@@ -262,20 +259,11 @@ impl Landing {
         room(ctx, &mut slot, len, 0)?;
         let words =
             slot.ok_or_else(|| Error::Device("a page-locked buffer went missing".into()))?;
-        let event = || {
-            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| dev_err("creating a timing event", e))
-        };
         Ok(Landing {
             words,
-            start: event()?,
-            end: event()?,
+            start: timing_event(ctx)?,
+            end: timing_event(ctx)?,
         })
-    }
-
-    /// Whether it holds `len` words.
-    pub fn holds(&self, len: usize) -> bool {
-        self.words.len() >= len
     }
 
     /// Enqueues the copy of `len` words at device address `src` into the buffer on `stream`;
@@ -288,10 +276,9 @@ impl Landing {
         let buf = buf
             .get_mut(..len)
             .ok_or_else(|| Error::Device("a landing too small for its download".into()))?;
-        // SAFETY: `src` holds `len` words; the buffer is read (or lent again, or freed) only
-        // after `end`, recorded after this copy, has passed.
-        unsafe { dr::memcpy_dtoh_async(buf, src, stream.cu_stream()) }
-            .map_err(|e| dev_err("downloading picked tokens", e))
+        // The buffer is read (or lent again, or freed) only after `end`, recorded after this
+        // copy, has passed.
+        download_picks(buf, src, stream)
     }
 
     /// Waits for `end`, then the first `len` words downloaded.
@@ -307,6 +294,15 @@ impl Landing {
             .get(..len)
             .ok_or_else(|| Error::Device("fewer picked words downloaded than read".into()))
     }
+}
+
+/// Enqueues the copy of `buf.len()` picked words at device address `src` into `buf` on
+/// `stream`. The caller neither reads nor frees `buf` before the stream has run the copy.
+fn download_picks(buf: &mut [u32], src: u64, stream: &CudaStream) -> Result<()> {
+    // SAFETY: `src` holds at least `buf.len()` words (the pass's pick buffer); the caller keeps
+    // `buf` alive and unread until the copy has run.
+    unsafe { dr::memcpy_dtoh_async(buf, src, stream.cu_stream()) }
+        .map_err(|e| dev_err("downloading picked tokens", e))
 }
 
 /// The first `len` elements of the buffer in `slot`, replaced first by a zeroed one (allocated

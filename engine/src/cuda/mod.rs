@@ -296,6 +296,13 @@ fn timing_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
         .map_err(|e| dev_err("creating a timing event", e))
 }
 
+/// Records a timing event on `stream`.
+fn mark(event: &CudaEvent, stream: &CudaStream) -> Result<()> {
+    event
+        .record(stream)
+        .map_err(|e| dev_err("recording a timing event", e))
+}
+
 /// The engine on one NVIDIA GPU.
 pub struct CudaBackend {
     cfg: Config,
@@ -408,23 +415,35 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// A landing of at least `len` words from the pool (once the step it last served has
-    /// passed), or a new one.
-    fn landing(&self, len: usize) -> Result<Landing> {
+    /// A landing from the pool (once the step it last served has passed), or a new one; every
+    /// landing holds the largest pick there is.
+    fn landing(&self) -> Result<Landing> {
         let lent = self
             .landings
             .lock()
             .map_err(|_| Error::Device("the CUDA backend's landing pool was poisoned".into()))?
             .pop();
-        if let Some(l) = lent {
-            l.end
-                .synchronize()
-                .map_err(|e| dev_err("waiting for a discarded decode step", e))?;
-            if l.holds(len) {
-                return Ok(l);
+        match lent {
+            Some(l) => {
+                l.end
+                    .synchronize()
+                    .map_err(|e| dev_err("waiting for a discarded decode step", e))?;
+                Ok(l)
             }
+            None => Landing::new(&self.ctx, pick_words(PICK_MAX_K)),
         }
-        Landing::new(&self.ctx, len)
+    }
+
+    /// Counts a finished pass and its device time, between its `start` and `end` events (see
+    /// [`Backend::device_time`]).
+    fn count_pass(&self, start: &CudaEvent, end: &CudaEvent) -> Result<()> {
+        let ms = start
+            .elapsed_ms(end)
+            .map_err(|e| dev_err("reading a timing event", e))?;
+        self.busy_ns
+            .fetch_add((f64::from(ms.max(0.0)) * 1e6) as u64, Ordering::Relaxed);
+        self.passes.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Returns a landing to the pool.
@@ -574,30 +593,16 @@ impl Backend for CudaBackend {
         let pad = graph_pad(segs, toggles);
         let pass = inner.prepare(&self.ctx, cfg, segs, &where_, bs, toggles, pad, kv)?;
         laps.lap(Part::Prepare);
-        inner
-            .timing
-            .0
-            .record(&inner.gpu.stream)
-            .map_err(|e| dev_err("recording a timing event", e))?;
+        mark(&inner.timing.0, &inner.gpu.stream)?;
         inner.launch_pass(cfg, kv, &pass, pad, toggles)?;
-        inner
-            .timing
-            .1
-            .record(&inner.gpu.stream)
-            .map_err(|e| dev_err("recording a timing event", e))?;
+        mark(&inner.timing.1, &inner.gpu.stream)?;
         for sg in segs.iter_mut() {
             sg.table.len += sg.tokens.len();
         }
         laps.lap(Part::Launch);
         let out = inner.collect(segs, &pass, cfg.vocab_size, &mut laps)?;
         // Both events have completed: collect waited for the stream.
-        let (start, end) = &inner.timing;
-        let ms = start
-            .elapsed_ms(end)
-            .map_err(|e| dev_err("reading a timing event", e))?;
-        let ns = (f64::from(ms.max(0.0)) * 1e6) as u64;
-        self.busy_ns.fetch_add(ns, Ordering::Relaxed);
-        self.passes.fetch_add(1, Ordering::Relaxed);
+        self.count_pass(&inner.timing.0, &inner.timing.1)?;
         laps.finish();
         Ok(out)
     }
@@ -655,7 +660,7 @@ impl Backend for CudaBackend {
         let cfg = &self.cfg;
         let bs = pool.block_size();
         let where_ = batch_positions(cfg, self.context_len, bs, &segs)?;
-        let mut landing = self.landing(pick_words(PICK_MAX_K))?;
+        let mut landing = self.landing()?;
         let mut inner = self
             .inner
             .lock()
@@ -682,20 +687,11 @@ impl Backend for CudaBackend {
             pass.meta.data[pass.meta.ids] = id as i32;
         }
         laps.lap(Part::Prepare);
-        let stream = &inner.gpu.stream;
-        let timing = |e: &CudaEvent| {
-            e.record(stream)
-                .map_err(|e| dev_err("recording a timing event", e))
-        };
-        timing(&landing.start)?;
+        mark(&landing.start, &inner.gpu.stream)?;
         inner.launch_pass(cfg, kv, &pass, pad, toggles)?;
         let words = pick_words(pass.meta.pick_k);
-        let stream = &inner.gpu.stream;
-        landing.download(pick_out, words, stream)?;
-        landing
-            .end
-            .record(stream)
-            .map_err(|e| dev_err("recording a timing event", e))?;
+        landing.download(pick_out, words, &inner.gpu.stream)?;
+        mark(&landing.end, &inner.gpu.stream)?;
         for sg in segs.iter_mut() {
             sg.table.len += sg.tokens.len();
         }
@@ -721,13 +717,10 @@ impl Backend for CudaBackend {
         let mut laps = Laps::start();
         let read = landing.read(f.words).map(|w| parse_pick(w, f.k));
         laps.lap(Part::Wait);
-        let ms = landing.start.elapsed_ms(&landing.end);
+        let counted = self.count_pass(&landing.start, &landing.end);
         self.give_back(landing);
         let logits = read?;
-        let ms = ms.map_err(|e| dev_err("reading a timing event", e))?;
-        self.busy_ns
-            .fetch_add((f64::from(ms.max(0.0)) * 1e6) as u64, Ordering::Relaxed);
-        self.passes.fetch_add(1, Ordering::Relaxed);
+        counted?;
         laps.finish();
         Ok(logits)
     }
