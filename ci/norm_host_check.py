@@ -13,7 +13,9 @@ one-stride loop, over widths below, at and above one batch of strides (256 × NO
 1-4 rows:
 
 - rms_norm_row, f32 and bf16 output: bit-identical to the plain loop;
-- gemv_norm_prologue: every row bit-identical to rms_norm_row's bf16 output for that row;
+- gemv_norm_prologue: every row bit-identical to rms_norm_row's bf16 output for that row, in a
+  block of 256 threads and in one of 128 (the GEMVs' 4-warp blocks, TAPEDECK_GEMV_BLOCK=4), which
+  plays two of the 256 threads each;
 - the f32 output within 1e-6 (relative L2) of a float64 RMSNorm.
 
     python3 ci/norm_host_check.py     # needs g++ (C++20)
@@ -25,12 +27,14 @@ code = "\n".join(
     [
         cut(eng, "typedef unsigned short bf16_t;", "f32_to_bf16_bits("),
         cut(eng, "__device__ __forceinline__ float warp_sum", "block_sum("),
+        cut(eng, "template <int V>\n__device__ float block_sum_as_256", "block_sum_as_256("),
+        "#define GEMV_WARPS 8",
         "#define NORM_UNROLL " + eng.split("#define NORM_UNROLL ")[1].split()[0],
         "#define GEMV_MAX_ROWS " + eng.split("#define GEMV_MAX_ROWS ")[1].split()[0],
-        cut(eng, "template <int N, typename Store>", "rms_norm_rows("),
+        cut(eng, "template <int N, int T = 256, typename Store>", "rms_norm_rows("),
         cut(eng, "__device__ __forceinline__ void rms_norm_row(", "rms_norm_row("),
         # The dynamic shared memory of a GEMV block, as a fixed host array.
-        cut(eng, "template <int N>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
+        cut(eng, "template <int N, int T = 32 * GEMV_WARPS>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
         .replace("extern __shared__ uint4 gemv_smem[];", "static uint4 gemv_smem[4096];"),
     ]
 )
@@ -70,7 +74,8 @@ int main() {
       for (auto& v : x) v = nd(rng) * std::exp(lmag(rng));
       for (auto& v : w) v = 1.f + 0.3f * nd(rng);
       std::vector<float> f_new(x.size(), -9.f), f_old(x.size(), -7.f);
-      std::vector<bf16_t> b_new(x.size(), 1), b_old(x.size(), 2), fused(x.size(), 3);
+      std::vector<bf16_t> b_new(x.size(), 1), b_old(x.size(), 2), fused(x.size(), 3),
+          fused128(x.size(), 4);
       launch(dim3{(unsigned)n, 1, 1}, 256, [&] {
         rms_norm_row(f_new.data(), nullptr, x.data(), w.data(), d, eps, blockIdx.x);
         rms_norm_row(nullptr, b_new.data(), x.data(), w.data(), d, eps, blockIdx.x);
@@ -85,8 +90,15 @@ int main() {
                                       : gemv_norm_prologue<4>(x.data(), w.data(), eps, d);
           if (threadIdx.x == 0) memcpy(fused.data(), xs, x.size() * sizeof(bf16_t));
         });
+        launch(dim3{1, 1, 1}, 128, [&] {
+          const bf16_t* xs = n == 1   ? gemv_norm_prologue<1, 128>(x.data(), w.data(), eps, d)
+                             : n == 2 ? gemv_norm_prologue<2, 128>(x.data(), w.data(), eps, d)
+                             : n == 3 ? gemv_norm_prologue<3, 128>(x.data(), w.data(), eps, d)
+                                      : gemv_norm_prologue<4, 128>(x.data(), w.data(), eps, d);
+          if (threadIdx.x == 0) memcpy(fused128.data(), xs, x.size() * sizeof(bf16_t));
+        });
       } else {
-        fused = b_new;  // the GEMV kernels take widths that are multiples of 8 and fit in smem
+        fused = fused128 = b_new;  // the GEMV kernels take widths that are multiples of 8 and fit in smem
       }
       double err = 0, ref = 0;
       for (int r = 0; r < n; ++r) {
@@ -100,10 +112,12 @@ int main() {
         }
       }
       double rel = std::sqrt(err / ref);
-      bool ok = same(f_new, f_old) && same(b_new, b_old) && same(fused, b_new) && rel < 1e-6;
+      bool ok = same(f_new, f_old) && same(b_new, b_old) && same(fused, b_new) &&
+                same(fused128, b_new) && rel < 1e-6;
       if (trial == 0 || !ok)
-        printf("d %4d, %d rows: f32 same %d, bf16 same %d, fused prologue same %d, rel L2 vs f64 %.2e%s\n",
-             d, n, same(f_new, f_old), same(b_new, b_old), same(fused, b_new), rel, ok ? "" : "  FAIL");
+        printf("d %4d, %d rows: f32 same %d, bf16 same %d, fused prologue same %d (128 threads %d), rel L2 vs f64 %.2e%s\n",
+             d, n, same(f_new, f_old), same(b_new, b_old), same(fused, b_new), same(fused128, b_new), rel,
+             ok ? "" : "  FAIL");
       failures += !ok;
     }
   }

@@ -133,20 +133,20 @@ struct MergedSplits {
 // y (n, out) (+)= merged attention (n, in = num_heads * head_dim) · Wᵀ (+ b), as gemv_bf16_N over
 // the combine kernel's output would compute it, bit for bit. Requires head_dim <= 256 (as the
 // combine) and every row a decode row of the mma pass, in order (row r = its sequence r).
-// grid (ceil(out * splits / GEMV_WARPS)), block 32 * GEMV_WARPS, dynamic smem as MergedSplits says.
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_merged_1(GEMV_MERGED_PARAMS) {
+// grid (ceil(out * splits / GEMV_BLOCK_WARPS)), block 32 * GEMV_BLOCK_WARPS, dynamic smem as MergedSplits says.
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_merged_1(GEMV_MERGED_PARAMS) {
     TD_SCOPE("gemv_bf16_merged_1");
     gemv_kernel<1>(GEMV_MERGED_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_merged_2(GEMV_MERGED_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_merged_2(GEMV_MERGED_PARAMS) {
     TD_SCOPE("gemv_bf16_merged_2");
     gemv_kernel<2>(GEMV_MERGED_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_merged_3(GEMV_MERGED_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_merged_3(GEMV_MERGED_PARAMS) {
     TD_SCOPE("gemv_bf16_merged_3");
     gemv_kernel<3>(GEMV_MERGED_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_merged_4(GEMV_MERGED_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_merged_4(GEMV_MERGED_PARAMS) {
     TD_SCOPE("gemv_bf16_merged_4");
     gemv_kernel<4>(GEMV_MERGED_ARGS);
 }

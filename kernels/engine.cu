@@ -141,6 +141,26 @@ __device__ float block_sum(float v, float* shared32) {
     return warp_sum(t);
 }
 
+// block_sum over a block of 256 threads, computed by a block of 256 / V threads each holding V
+// of the values (value j of thread t is virtual thread t + j * blockDim's): the same bits, as
+// the warp sums and the sum of the 8 warp sums are the same operations on the same values.
+template <int V>
+__device__ float block_sum_as_256(const float (&v)[V], float* shared32) {
+    if (V == 1) return block_sum(v[0], shared32);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float s[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) s[j] = warp_sum(v[j]);
+    __syncthreads();
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < V; j++) shared32[warp + j * warps] = s[j];
+    }
+    __syncthreads();
+    float t = lane < V * warps ? shared32[lane] : 0.0f;
+    return warp_sum(t);
+}
+
 __device__ float block_max(float v, float* shared32) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     v = warp_max(v);
@@ -224,51 +244,66 @@ extern "C" __global__ void embed_tokens(float* out, const float* table, const un
     copy_row(out + (size_t)blockIdx.x * h, table + (size_t)id * h, h);
 }
 
-// The RMSNorm of N rows of `in` values (x row-major) by a block of 256 threads, as every kernel
-// here computes it (the rms_norm kernel, the GEMVs' fused prologue, the persistent step), so they
-// all give the same bits: each thread's sum of squares over i = tid, tid + blockDim, ... in that
-// order, the block reduction, x * inv * w. The loads of several strides of all rows are issued
+// The RMSNorm of N rows of `in` values (x row-major) as a block of 256 threads computes it, by a
+// block of T = 256 or 128 threads, as every kernel here computes it (the rms_norm kernel, the
+// GEMVs' fused prologue, the persistent step), so they all give the same bits: each of 256
+// (virtual) threads' sum of squares over i = tid, tid + 256, ... in that order, the block
+// reduction (block_sum_as_256), x * inv * w. With T = 128 each thread plays virtual threads tid
+// and tid + 128 (the GEMVs' 4-warp blocks, TAPEDECK_GEMV_BLOCK=4). The loads of several strides of all rows are issued
 // before any is used (about NORM_UNROLL values per row and pass; fewer strides per batch for more
 // rows keep the registers in check, as the GEMVs' prefetched weights are live across it), so the
 // norm waits on memory three or four times instead of 2 * in / 256. store(r, i, y) receives
 // each normalized value.
-template <int N, typename Store>
+template <int N, int T = 256, typename Store>
 __device__ __forceinline__ void rms_norm_rows(const float* x, const float* w, float eps, int in,
                                               Store store) {
-    constexpr int U1 = NORM_UNROLL / N > 1 ? NORM_UNROLL / N : 1;
+    static_assert(T == 256 || T == 128, "a block of 256 or 128 threads");
+    constexpr int V = 256 / T;  // virtual threads per thread
+    constexpr int U1 = NORM_UNROLL / N / V > 1 ? NORM_UNROLL / N / V : 1;
     constexpr int U2 = NORM_UNROLL / 2 / N > 1 ? NORM_UNROLL / 2 / N : 1;
     __shared__ float s32[32];
-    float ss[N], inv[N];
+    float ss[N][V], inv[N];
 #pragma unroll
-    for (int r = 0; r < N; r++) ss[r] = 0.0f;
-    for (int base = threadIdx.x; base < in; base += U1 * blockDim.x) {
-        float v[N][U1];
+    for (int r = 0; r < N; r++) {
+#pragma unroll
+        for (int j = 0; j < V; j++) ss[r][j] = 0.0f;
+    }
+    for (int base = threadIdx.x; base < in; base += U1 * 256) {
+        float v[N][U1][V];
 #pragma unroll
         for (int u = 0; u < U1; u++) {
-            int i = base + u * blockDim.x;
 #pragma unroll
-            for (int r = 0; r < N; r++) v[r][u] = i < in ? x[(size_t)r * in + i] : 0.0f;
+            for (int j = 0; j < V; j++) {
+                int i = base + u * 256 + j * T;
+#pragma unroll
+                for (int r = 0; r < N; r++) v[r][u][j] = i < in ? x[(size_t)r * in + i] : 0.0f;
+            }
         }
 #pragma unroll
         for (int u = 0; u < U1; u++) {
 #pragma unroll
-            for (int r = 0; r < N; r++) ss[r] += v[r][u] * v[r][u];  // a zero past the end adds nothing
+            for (int j = 0; j < V; j++) {
+#pragma unroll
+                for (int r = 0; r < N; r++)
+                    ss[r][j] += v[r][u][j] * v[r][u][j];  // a zero past the end adds nothing
+            }
         }
     }
 #pragma unroll
-    for (int r = 0; r < N; r++) inv[r] = 1.0f / sqrtf(block_sum(ss[r], s32) / (float)in + eps);
-    for (int base = threadIdx.x; base < in; base += U2 * blockDim.x) {
+    for (int r = 0; r < N; r++)
+        inv[r] = 1.0f / sqrtf(block_sum_as_256<V>(ss[r], s32) / (float)in + eps);
+    for (int base = threadIdx.x; base < in; base += U2 * T) {
         float g[U2], v[N][U2];
 #pragma unroll
         for (int u = 0; u < U2; u++) {
-            int i = base + u * blockDim.x;
+            int i = base + u * T;
             g[u] = i < in ? w[i] : 0.0f;
 #pragma unroll
             for (int r = 0; r < N; r++) v[r][u] = i < in ? x[(size_t)r * in + i] : 0.0f;
         }
 #pragma unroll
         for (int u = 0; u < U2; u++) {
-            int i = base + u * blockDim.x;
+            int i = base + u * T;
             if (i >= in) continue;
 #pragma unroll
             for (int r = 0; r < N; r++) store(r, i, g[u] * (v[r][u] * inv[r]));
@@ -362,6 +397,14 @@ extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
 // SM); 3 caps it at 80. A sweep knob (TAPEDECK_NVRTC_DEFINES=GEMV_MIN_BLOCKS=3).
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 1
+#endif
+// Warps per block of the standalone GEMV and gate/up kernels (gemv_bf16_N, gemv_bf16_merged_N,
+// gemv_bf16_swiglu_N): GEMV_WARPS, or 4 (TAPEDECK_GEMV_BLOCK=4 on the host, which sets it and
+// launches to match): twice the blocks, each living half as long, so a launch's last wave is
+// finer and an SM refills its memory pipe block by block. The q/k/v + RoPE kernel, the streaming
+// kernels and the persistent step kernel keep GEMV_WARPS.
+#ifndef GEMV_BLOCK_WARPS
+#define GEMV_BLOCK_WARPS GEMV_WARPS
 #endif
 // 1: the GEMV and gate/up kernels may run on a grid smaller than their rows (the host's
 // TAPEDECK_GEMV_GRID blocks per SM), each block looping over row groups with the next weights in
@@ -503,12 +546,13 @@ __device__ __forceinline__ void gemv_store(const float acc[N], const float* b, f
 // rms_norm_rows, as the rms_norm kernel does, so fusing the norm changes no bit of the GEMV's
 // input. Every block recomputes it (a few KB read from L2), which costs less than a launch.
 // ci/norm_host_check.py holds it to rms_norm_row bit for bit.
-template <int N>
+// T: the block's threads (256, or 128 for the GEMVs' 4-warp blocks).
+template <int N, int T = 32 * GEMV_WARPS>
 __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, const float* norm_w,
                                                             float eps, int in) {
     extern __shared__ uint4 gemv_smem[];
     bf16_t* xs = (bf16_t*)gemv_smem;
-    rms_norm_rows<N>(x, norm_w, eps, in, [&](int r, int i, float y) {
+    rms_norm_rows<N, T>(x, norm_w, eps, in, [&](int r, int i, float y) {
         xs[(size_t)r * in + i] = f32_to_bf16_bits(y);
     });
     __syncthreads();
@@ -518,8 +562,9 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
 // The input of the plain GEMV entry points, made ready once the previous kernel is done: x as
 // given (bf16 bits, or f32 when x_f32), or with norm_w the f32 residual stream normalized into
 // shared memory (gemv_norm_prologue). Other inputs (decode_fused.cu: attention splits merged on
-// the fly) are other types with the same call.
-struct GemvInput {
+// the fly) are other types with the same call. T: the block's threads.
+template <int T>
+struct GemvInputOf {
     const void* x;
     int x_f32;
     const float* norm_w;
@@ -531,13 +576,14 @@ struct GemvInput {
         // n is the entry point's constant row count once inlined: the switch folds away.
         const float* r = (const float*)x;
         switch (n) {
-            case 1: return gemv_norm_prologue<1>(r, norm_w, eps, in);
-            case 2: return gemv_norm_prologue<2>(r, norm_w, eps, in);
-            case 3: return gemv_norm_prologue<3>(r, norm_w, eps, in);
-            default: return gemv_norm_prologue<GEMV_MAX_ROWS>(r, norm_w, eps, in);
+            case 1: return gemv_norm_prologue<1, T>(r, norm_w, eps, in);
+            case 2: return gemv_norm_prologue<2, T>(r, norm_w, eps, in);
+            case 3: return gemv_norm_prologue<3, T>(r, norm_w, eps, in);
+            default: return gemv_norm_prologue<GEMV_MAX_ROWS, T>(r, norm_w, eps, in);
         }
     }
 };
+typedef GemvInputOf<32 * GEMV_WARPS> GemvInput;
 
 // Output feature `row` of up to three matrices concatenated (q, k and v in one launch): its
 // matrix, bias, output and row in it; live is false past the last one.
@@ -568,23 +614,23 @@ __device__ __forceinline__ GemvTarget gemv_target(int row, const bf16_t* w0, con
 // is read; or the normalized residual stream). One entry point per row count n = N (gemv_bf16_N),
 // so that each gets the registers it needs and no more. May be launched with PDL.
 //
-// `splits` warps (1, 2, 4 or 8, dividing GEMV_WARPS; in % (8 * splits) == 0) share one output
+// `splits` warps (1, 2, 4 or 8, dividing GEMV_BLOCK_WARPS; in % (8 * splits) == 0) share one output
 // feature, each reading an equal slice of its row: a long row (the down projection's 8192 inputs)
 // is then fetched by several warps at once, all of it in their prefetched chunks, instead of by one
 // warp in several dependent rounds. The slices' sums are added in slice order (deterministic).
 // Only for N <= 2: with 3-4 rows the split measured slower (H200), so those entry points ignore
 // `splits` and compile to the one-warp-per-feature code alone.
-// grid (ceil((out_0 + out_1 + out_2) * splits / GEMV_WARPS)), block 32 * GEMV_WARPS.
+// grid (ceil((out_0 + out_1 + out_2) * splits / GEMV_BLOCK_WARPS)), block 32 * GEMV_BLOCK_WARPS.
 template <int N, typename Input>
 __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int add,
                                             const bf16_t* w0, const float* b0, float* y0,
                                             int out0, const bf16_t* w1, const float* b1,
                                             float* y1, int out1, const bf16_t* w2,
                                             const float* b2, float* y2, int out2) {
-    __shared__ float slice_sums[GEMV_WARPS][GEMV_MAX_ROWS];
+    __shared__ float slice_sums[GEMV_BLOCK_WARPS][GEMV_MAX_ROWS];
     if (N > 2) splits = 1;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int per_block = GEMV_WARPS / splits, part = warp % splits;
+    int per_block = GEMV_BLOCK_WARPS / splits, part = warp % splits;
     int len = in / splits, k0 = part * len;
     typedef GemvTarget Target;
     auto target = [&](int row) {
@@ -651,24 +697,24 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
         const bf16_t *w0, const float *b0, float *y0, int out0, const bf16_t *w1,               \
         const float *b1, float *y1, int out1, const bf16_t *w2, const float *b2, float *y2,     \
         int out2
-#define GEMV_ARGS                                                                                \
-    GemvInput{x, x_f32, norm_w, eps}, in, splits, add, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, \
+#define GEMV_ARGS(T)                                                                             \
+    GemvInputOf<T>{x, x_f32, norm_w, eps}, in, splits, add, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, \
         y2, out2
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_1(GEMV_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_1(GEMV_PARAMS) {
     TD_SCOPE("gemv_bf16_1");
-    gemv_kernel<1>(GEMV_ARGS);
+    gemv_kernel<1>(GEMV_ARGS(32 * GEMV_BLOCK_WARPS));
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_2(GEMV_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_2(GEMV_PARAMS) {
     TD_SCOPE("gemv_bf16_2");
-    gemv_kernel<2>(GEMV_ARGS);
+    gemv_kernel<2>(GEMV_ARGS(32 * GEMV_BLOCK_WARPS));
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_3(GEMV_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_3(GEMV_PARAMS) {
     TD_SCOPE("gemv_bf16_3");
-    gemv_kernel<3>(GEMV_ARGS);
+    gemv_kernel<3>(GEMV_ARGS(32 * GEMV_BLOCK_WARPS));
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_4(GEMV_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_4(GEMV_PARAMS) {
     TD_SCOPE("gemv_bf16_4");
-    gemv_kernel<4>(GEMV_ARGS);
+    gemv_kernel<4>(GEMV_ARGS(32 * GEMV_BLOCK_WARPS));
 }
 
 // Output feature `row` of the fused gate/up kernel from its two dot products (lane r writes input
@@ -693,14 +739,14 @@ __device__ __forceinline__ void swiglu_store(const float g[N], const float u[N],
 // and the SiLU·up product in one pass, the product rounded to bf16 (the down projection's input).
 // x as for gemv_bf16 but bf16 bits or the normalized residual stream only (x_f32 must be 0: the
 // MLP's input is always a norm's output). One entry point per row count n = N. May be launched
-// with PDL. grid (ceil(inter / GEMV_WARPS)), block 32 * GEMV_WARPS.
+// with PDL. grid (ceil(inter / GEMV_BLOCK_WARPS)), block 32 * GEMV_BLOCK_WARPS.
 template <int N>
 __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w, float eps,
                                               int in, const bf16_t* wg, const float* bg,
                                               const bf16_t* wu, const float* bu, bf16_t* out,
                                               int inter) {
     int lane = threadIdx.x & 31;
-    int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    int row = blockIdx.x * GEMV_BLOCK_WARPS + (threadIdx.x >> 5);
     bool live = row < inter;
     size_t at = live ? (size_t)row * in : 0;
     uint4 pre_g[GEMV_PRE], pre_u[GEMV_PRE];
@@ -708,10 +754,10 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     gemv_prefetch(wu + at, in, lane, live, pre_u);
     pdl_launch_dependents();
     pdl_wait();
-    if (norm_w) x = gemv_norm_prologue<N>((const float*)x, norm_w, eps, in);
+    if (norm_w) x = gemv_norm_prologue<N, 32 * GEMV_BLOCK_WARPS>((const float*)x, norm_w, eps, in);
     // A persistent grid (GEMV_PERSIST) loops over features: each projection's next row is
     // requested as soon as this one's prefetched chunks are consumed.
-    for (int stride = gridDim.x * GEMV_WARPS; live; row += stride) {
+    for (int stride = gridDim.x * GEMV_BLOCK_WARPS; live; row += stride) {
         int next = row + stride;
         bool more = GEMV_PERSIST && next < inter;
         float g[N], u[N];
@@ -728,19 +774,19 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     const void *x, int x_f32, const float *norm_w, float eps, int n, int in, const bf16_t *wg,  \
         const float *bg, const bf16_t *wu, const float *bu, bf16_t *out, int inter
 #define SWIGLU_ARGS x, norm_w, eps, in, wg, bg, wu, bu, out, inter
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_1(SWIGLU_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_1(SWIGLU_PARAMS) {
     TD_SCOPE("gemv_bf16_swiglu_1");
     swiglu_kernel<1>(SWIGLU_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_2(SWIGLU_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_2(SWIGLU_PARAMS) {
     TD_SCOPE("gemv_bf16_swiglu_2");
     swiglu_kernel<2>(SWIGLU_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_3(SWIGLU_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_3(SWIGLU_PARAMS) {
     TD_SCOPE("gemv_bf16_swiglu_3");
     swiglu_kernel<3>(SWIGLU_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_4(SWIGLU_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_4(SWIGLU_PARAMS) {
     TD_SCOPE("gemv_bf16_swiglu_4");
     swiglu_kernel<4>(SWIGLU_ARGS);
 }
@@ -850,7 +896,7 @@ __device__ __forceinline__ void gemv_stream_kernel(GemvInput input, int in, int 
 
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_STREAM_MIN_BLOCKS) gemv_stream_bf16_1(GEMV_PARAMS) {
     TD_SCOPE("gemv_stream_bf16_1");
-    gemv_stream_kernel(GEMV_ARGS);
+    gemv_stream_kernel(GEMV_ARGS(32 * GEMV_WARPS));
 }
 
 // gemv_bf16_swiglu_1's computation (same arguments, same bits) for in <= 2048, on any grid: each

@@ -301,7 +301,8 @@ impl Gpu {
         pdl: bool,
     ) -> Result<()> {
         let inp = mats.first().map_or(0, |(l, _)| l.inp);
-        let splits = gemv_splits(inp, n, tune::get().gemv_slice);
+        let block = tune::get().gemv_block;
+        let splits = gemv_splits(inp, n, tune::get().gemv_slice).min(block);
         let (a, smem) = x.args(Args::new(), n, inp);
         let mut a = a.i(n).i(inp).i(splits).i(usize::from(add));
         // The merging entry point takes one matrix; the others up to three.
@@ -336,13 +337,17 @@ impl Gpu {
         }
         let grid = match stream {
             Some(per_sm) => stream_blocks(self.sms, per_sm, total),
-            None => self.gemv_grid((total * splits).div_ceil(GEMV_WARPS)),
+            None => self.gemv_grid((total * splits).div_ceil(block)),
+        };
+        let threads = match stream {
+            Some(_) => 32 * GEMV_WARPS,
+            None => 32 * block,
         };
         a.launch_pdl(
             &self.stream,
             gemv_for(kernels, n)?,
             (grid, 1, 1),
-            32 * GEMV_WARPS,
+            threads,
             smem,
             pdl && self.pdl_capable,
         )
@@ -365,14 +370,17 @@ impl Gpu {
             ));
         }
         let (a, smem) = x.args(Args::new(), n, gate.inp);
-        let (kernel, grid) = match self.stream_grid(n, gate.inp) {
+        let block = tune::get().gemv_block;
+        let (kernel, grid, threads) = match self.stream_grid(n, gate.inp) {
             Some(per_sm) => (
                 &self.k.gemv_stream_swiglu,
                 stream_blocks(self.sms, per_sm, gate.out),
+                32 * GEMV_WARPS,
             ),
             None => (
                 gemv_for(&self.k.gemv_swiglu, n)?,
-                self.gemv_grid(gate.out.div_ceil(GEMV_WARPS)),
+                self.gemv_grid(gate.out.div_ceil(block)),
+                32 * block,
             ),
         };
         a.i(n)
@@ -387,7 +395,7 @@ impl Gpu {
                 &self.stream,
                 kernel,
                 (grid, 1, 1),
-                32 * GEMV_WARPS,
+                threads,
                 smem,
                 pdl && self.pdl_capable,
             )

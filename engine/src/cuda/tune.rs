@@ -16,6 +16,11 @@
 //!   llama-1b's down projection two warps a row (8 KB of weights each, as gate/up has) instead
 //!   of four. Measured on an H100 (llama-1b batch-1 decode, seventeenth session): 2048 876 tok/s,
 //!   4096 852, 1024 796.
+//! - `TAPEDECK_GEMV_BLOCK=4`: the standalone GEMV and gate/up kernels run blocks of 4 warps
+//!   instead of 8 (compiled with `GEMV_BLOCK_WARPS=4`): twice the blocks, each half as long, so
+//!   a launch's last wave is finer and each SM refills its memory pipe a smaller block at a time.
+//!   The same bits (a row's slices are summed in the same order). Long rows are split over at
+//!   most 4 warps.
 //! - `TAPEDECK_MMA_MERGE=in-kernel`: merge the mma decode kernel's splits in the mma kernel's last
 //!   block per KV head instead of in the separate combine kernel (`kernel`, the default). The
 //!   same bits either way; in-kernel measured slower (llama-1b batch-1 decode on the H200: 724
@@ -202,6 +207,8 @@ pub(crate) struct Tuning {
     pub gemv_stream: usize,
     /// The GEMV kernels' longest slice per warp, in inputs.
     pub gemv_slice: usize,
+    /// Warps per block of the standalone GEMV and gate/up kernels (4 or 8).
+    pub gemv_block: usize,
     /// Where the mma decode kernel's splits are merged.
     pub mma_merge: MmaMerge,
     /// KV pools store f32 for every `kv_dtype` (`TAPEDECK_KV_STORAGE=f32`).
@@ -277,8 +284,18 @@ impl Tuning {
             |n| n <= 2,
             "0, 1 or 2 blocks per SM",
         );
+        let gemv_block = number(
+            &var,
+            "TAPEDECK_GEMV_BLOCK",
+            8,
+            |n| n == 4 || n == 8,
+            "4 or 8",
+        );
         if gemv_grid > 0 {
             nvrtc_defines.push("-DGEMV_PERSIST=1".into());
+        }
+        if gemv_block != 8 {
+            nvrtc_defines.push(format!("-DGEMV_BLOCK_WARPS={gemv_block}"));
         }
         if trace.is_some() {
             nvrtc_defines.push("-DTD_TRACE=1".into());
@@ -299,6 +316,7 @@ impl Tuning {
             gemv_grid,
             gemv_stream,
             gemv_slice,
+            gemv_block,
             mma_merge,
             kv_f32,
             pinned,
@@ -388,6 +406,7 @@ mod tests {
                 gemv_grid: 0,
                 gemv_stream: 0,
                 gemv_slice: 2048,
+                gemv_block: 8,
                 mma_merge: MmaMerge::Kernel,
                 kv_f32: false,
                 pinned: false,
