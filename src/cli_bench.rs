@@ -301,6 +301,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 handle.stats().kv_peak_mib()
             );
         }
+        if !levels.is_empty() {
+            let s = handle.stats();
+            println!(
+                "scheduler: {} forward passes, {} decode steps run ahead (a lone sequence's)",
+                s.steps.load(std::sync::atomic::Ordering::Relaxed),
+                s.steps_ahead.load(std::sync::atomic::Ordering::Relaxed)
+            );
+        }
         if args.turns > 0 {
             multi_turn(&handle, vocab, args.turns, toggles, &mut rng)?;
         }

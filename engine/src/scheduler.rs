@@ -9,6 +9,13 @@
 //!    chunks of prompts (`prefill_chunk` toggle), for sequences sharing one toggle set,
 //! 4. samples, streams each token, and retires finished sequences.
 //!
+//! While one greedy (or teacher-forced) sequence runs alone and nothing waits, on a backend
+//! whose steps run asynchronously ([`Backend::runs_ahead`](crate::backend::Backend::runs_ahead),
+//! the GPU), the scheduler decodes it as [`Engine::generate`] does: each step is submitted
+//! before the one ahead of it is collected, fed that step's token on the device, so streaming a
+//! token and launching the next step overlap the device's work. A request that arrives ends it
+//! after at most one step; batching then resumes.
+//!
 //! Admission reserves blocks for the prompt plus `max_tokens` (capped by the context window), so a
 //! running sequence never runs out of memory and nothing is ever preempted. A request that can never
 //! fit is refused; a full waiting queue is refused with [`Error::Overloaded`].
@@ -20,6 +27,7 @@ use std::time::Instant;
 
 use tokio::sync::mpsc as tmpsc;
 
+use crate::backend::{Feed, Ticket};
 use crate::decoding::Decoding;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -115,6 +123,9 @@ pub struct SchedulerStats {
     pub steps: AtomicU64,
     /// Tokens generated.
     pub generated_tokens: AtomicU64,
+    /// Decode steps submitted before the step ahead of them was collected (a lone sequence's
+    /// steps on a backend that runs ahead): how much of the decoding overlapped the host's work.
+    pub steps_ahead: AtomicU64,
 }
 
 impl SchedulerStats {
@@ -357,6 +368,16 @@ impl Seq {
     }
 }
 
+/// What became of a sequence once a pass's logits for it were taken.
+enum Settled {
+    /// It chose this token and goes on.
+    Next(u32),
+    /// It ended (finished, cancelled or failed): retire it.
+    Ended,
+    /// The pass wanted no logits for it (a prefill chunk before the prompt's last).
+    NoLogits,
+}
+
 struct Core {
     engine: Arc<Engine>,
     cfg: SchedulerConfig,
@@ -379,23 +400,238 @@ impl Core {
                     Ok(Msg::Stop) | Err(_) => return,
                 }
             }
-            loop {
-                match rx.try_recv() {
-                    Ok(Msg::Submit(p)) => self.waiting.push_back(*p),
-                    Ok(Msg::Stop) => return,
-                    Err(mpsc::TryRecvError::Empty) => break,
-                    Err(mpsc::TryRecvError::Disconnected) => {
-                        if self.running.is_empty() && self.waiting.is_empty() {
-                            return;
-                        }
-                        break;
-                    }
-                }
+            if !self.poll(&rx) {
+                return;
             }
             self.reap_cancelled();
             self.admit();
-            self.step();
+            let go_on = if self.solo() {
+                self.decode_solo(&rx)
+            } else {
+                self.step();
+                true
+            };
             self.publish();
+            if !go_on {
+                return;
+            }
+        }
+    }
+
+    /// Takes whatever messages have arrived; `false` when the scheduler must stop (a stop
+    /// message, or every handle dropped with nothing left to do).
+    fn poll(&mut self, rx: &mpsc::Receiver<Msg>) -> bool {
+        loop {
+            match rx.try_recv() {
+                Ok(Msg::Submit(p)) => self.waiting.push_back(*p),
+                Ok(Msg::Stop) => return false,
+                Err(mpsc::TryRecvError::Empty) => return true,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    return !(self.running.is_empty() && self.waiting.is_empty());
+                }
+            }
+        }
+    }
+
+    /// Whether the next steps can run ahead: one sequence, decoding, alone, with a token the
+    /// device can pick (greedy or forced), on an engine that runs ahead.
+    fn solo(&self) -> bool {
+        match self.running.as_slice() {
+            [s] => {
+                self.engine.runs_ahead()
+                    && self.waiting.is_empty()
+                    && !s.prefilling()
+                    && s.next.is_some()
+                    && matches!(s.dec.want(), WantLogits::Pick(_))
+            }
+            _ => false,
+        }
+    }
+
+    /// Decodes the lone running sequence ([`solo`](Self::solo)) with each step submitted before
+    /// the one ahead of it is collected, as [`Engine::generate`] does, until it ends, a request
+    /// or a stop arrives, or its stream is dropped; then it is left with its next token to feed,
+    /// for [`step`](Self::step). Returns `false` when a stop arrived.
+    fn decode_solo(&mut self, rx: &mpsc::Receiver<Msg>) -> bool {
+        let ctx = self.engine.context_len();
+        let s = &mut self.running[0];
+        let Some(first) = s.next.take() else {
+            return true;
+        };
+        s.tokens.push(first);
+        let toggles = s.req.toggles;
+        // The step in flight produces token number `n`.
+        let mut n = s.dec.tokens().len();
+        let want = s.dec.want_at(n);
+        let mut cur = match self.submit_solo(Feed::Token(first), want, &toggles) {
+            Ok(t) => t,
+            Err(e) => {
+                self.fail(0, &e.to_string());
+                return true;
+            }
+        };
+        loop {
+            let go_on = self.poll(rx);
+            let s = &mut self.running[0];
+            // The next step's input is token n: submitted where generation can go on past it
+            // and nothing else wants the engine.
+            let ahead = if go_on
+                && self.waiting.is_empty()
+                && !s.tx.is_closed()
+                && s.dec.may_produce(n + 1)
+                && s.table.len + 1 < ctx
+            {
+                let want = s.dec.want_at(n + 1);
+                let feed = match s.dec.forced_at(n) {
+                    Some(t) => Feed::Token(t),
+                    None => Feed::Picked(&mut cur),
+                };
+                match self.submit_solo(feed, want, &toggles) {
+                    Ok(t) => {
+                        self.stats.steps_ahead.fetch_add(1, Ordering::Relaxed);
+                        Some(t)
+                    }
+                    Err(e) => {
+                        self.engine.backend().discard(cur);
+                        self.fail(0, &e.to_string());
+                        return go_on;
+                    }
+                }
+            } else {
+                None
+            };
+            // The cache length the step of token n saw, without the step ahead.
+            let seen = self.running[0].table.len - usize::from(ahead.is_some());
+            let logits = self.engine.backend().collect(cur);
+            self.stats.steps.fetch_add(1, Ordering::Relaxed);
+            n += 1;
+            let settled = match logits {
+                Ok(l) => self.settle(0, true, 0, seen, l),
+                Err(e) => {
+                    if let Some(a) = ahead {
+                        self.engine.backend().discard(a);
+                    }
+                    self.fail(0, &e.to_string());
+                    return go_on;
+                }
+            };
+            match (settled, ahead) {
+                (Settled::Next(id), Some(a)) => {
+                    // The step ahead was fed `id` on the device: its KV is being cached.
+                    self.running[0].tokens.push(id);
+                    cur = a;
+                }
+                (Settled::Next(id), None) => {
+                    self.running[0].next = Some(id);
+                    return go_on;
+                }
+                (settled, ahead) => {
+                    if let Some(a) = ahead {
+                        self.engine.backend().discard(a);
+                    }
+                    if matches!(settled, Settled::NoLogits) {
+                        self.fail(0, "a decode step returned no logits");
+                    } else {
+                        self.retire(0);
+                    }
+                    return go_on;
+                }
+            }
+        }
+    }
+
+    /// Submits one decode step of the lone running sequence, its input token from `feed`.
+    fn submit_solo(
+        &mut self,
+        feed: Feed<'_>,
+        want: WantLogits,
+        toggles: &Toggles,
+    ) -> Result<Ticket> {
+        let seg = Segment {
+            // Never read: `feed` gives the token.
+            tokens: &[0],
+            table: &mut self.running[0].table,
+            decode: true,
+            want,
+            fault_chunk_boundary: false,
+        };
+        self.engine
+            .backend()
+            .submit(&mut self.pool, seg, feed, toggles)
+    }
+
+    /// Ends sequence `i` with an error event and frees its blocks.
+    fn fail(&mut self, i: usize, why: &str) {
+        let seq = self.running.swap_remove(i);
+        let _ = seq.tx.send(Event::Error(why.to_string()));
+        self.release(&seq);
+    }
+
+    /// Retires ended sequence `i`: frees its blocks and sends its output.
+    fn retire(&mut self, i: usize) {
+        let seq = self.running.swap_remove(i);
+        self.release(&seq);
+        let Seq { dec, tx, .. } = seq;
+        let _ = tx.send(Event::Done(dec.finish()));
+    }
+
+    /// Takes a pass's `logits` for sequence `i`: counts a prefill chunk of `prefilled` tokens,
+    /// registers the blocks the pass completed in the prefix cache, and chooses and streams the
+    /// next token. `seen`: the cache length the pass left the sequence at (without a step run
+    /// ahead of it).
+    fn settle(
+        &mut self,
+        i: usize,
+        decode: bool,
+        prefilled: usize,
+        seen: usize,
+        logits: crate::model::Logits,
+    ) -> Settled {
+        let ctx = self.engine.context_len();
+        let bs = self.cfg.block_size;
+        let s = &mut self.running[i];
+        if !decode {
+            self.stats
+                .prefill_tokens
+                .fetch_add(prefilled as u64, Ordering::Relaxed);
+        }
+        // Register blocks completed by this pass (decode-written blocks only when decode
+        // numerics equal prefill numerics: no sparse indexer, no bf16 decode kernel). Only
+        // tokens known here count: a step run ahead caches one the host has not read yet.
+        if s.req.toggles.prefix_cache && (!decode || s.req.toggles.decode_matches_prefill()) {
+            let full = s.table.len.min(s.tokens.len()) / bs;
+            if full > s.keys.len() {
+                let new = block_keys(&s.tokens[..full * bs], bs, &s.kv_key);
+                for (b, key) in new.iter().enumerate().skip(s.keys.len()) {
+                    self.blocks.register(s.table.blocks[b], *key);
+                }
+                s.keys = new;
+            }
+        }
+        if logits.is_empty() {
+            return Settled::NoLogits;
+        }
+        if !decode {
+            s.dec.prefilled();
+        }
+        match s.dec.step(logits, self.engine.tokenizer(), seen + 1 >= ctx) {
+            Ok((event, done)) => {
+                self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+                let id = event.id;
+                if s.tx.send(Event::Token(event)).is_err() {
+                    s.dec.cancel();
+                    Settled::Ended
+                } else if done {
+                    Settled::Ended
+                } else {
+                    Settled::Next(id)
+                }
+            }
+            Err(e) => {
+                let _ = s.tx.send(Event::Error(e.to_string()));
+                s.dec.cancel();
+                Settled::Ended
+            }
         }
     }
 
@@ -596,71 +832,23 @@ impl Core {
                 let mut failed: Vec<usize> = plan.iter().map(|p| p.0).collect();
                 failed.sort_unstable_by(|a, b| b.cmp(a));
                 for i in failed {
-                    let seq = self.running.swap_remove(i);
-                    let _ = seq.tx.send(Event::Error(e.to_string()));
-                    self.release(&seq);
+                    self.fail(i, &e.to_string());
                 }
                 return;
             }
         };
-        let ctx = self.engine.context_len();
-        let bs = self.cfg.block_size;
         let mut finished: Vec<usize> = Vec::new();
         for ((i, range, decode), logits) in plan.iter().zip(logits) {
-            let s = &mut self.running[*i];
-            if !decode {
-                self.stats
-                    .prefill_tokens
-                    .fetch_add(range.len() as u64, Ordering::Relaxed);
-            }
-            // Register blocks completed by this pass (decode-written blocks only when decode
-            // numerics equal prefill numerics: no sparse indexer, no bf16 decode kernel).
-            if s.req.toggles.prefix_cache && (!decode || s.req.toggles.decode_matches_prefill()) {
-                let full = s.table.len / bs;
-                if full > s.keys.len() {
-                    let new = block_keys(&s.tokens[..full * bs], bs, &s.kv_key);
-                    for (b, key) in new.iter().enumerate().skip(s.keys.len()) {
-                        self.blocks.register(s.table.blocks[b], *key);
-                    }
-                    s.keys = new;
-                }
-            }
-            if logits.is_empty() {
-                continue;
-            }
-            if !decode {
-                s.dec.prefilled();
-            }
-            let full_ctx = s.table.len + 1 >= ctx;
-            let step = s.dec.step(logits, self.engine.tokenizer(), full_ctx);
-            match step {
-                Ok((event, done)) => {
-                    self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-                    let id = event.id;
-                    if s.tx.send(Event::Token(event)).is_err() {
-                        s.dec.cancel();
-                        finished.push(*i);
-                        continue;
-                    }
-                    if done {
-                        finished.push(*i);
-                    } else {
-                        s.next = Some(id);
-                    }
-                }
-                Err(e) => {
-                    let _ = s.tx.send(Event::Error(e.to_string()));
-                    s.dec.cancel();
-                    finished.push(*i);
-                }
+            let seen = self.running[*i].table.len;
+            match self.settle(*i, *decode, range.len(), seen, logits) {
+                Settled::Next(id) => self.running[*i].next = Some(id),
+                Settled::Ended => finished.push(*i),
+                Settled::NoLogits => {}
             }
         }
         finished.sort_unstable_by(|a, b| b.cmp(a));
         for i in finished {
-            let seq = self.running.swap_remove(i);
-            self.release(&seq);
-            let Seq { dec, tx, .. } = seq;
-            let _ = tx.send(Event::Done(dec.finish()));
+            self.retire(i);
         }
     }
 }

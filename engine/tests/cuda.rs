@@ -1536,6 +1536,35 @@ fn cuda_running_ahead_gives_the_tokens_of_one_step_at_a_time() {
         });
         same_bits(&want, &x, &format!("{toggles}, concurrent"));
         same_bits(&want_other, &y, &format!("{toggles}, concurrent other"));
-        println!("{toggles:?}: running ahead gives the same bits");
+        // The scheduler runs a lone greedy sequence ahead too: the same bits as its one pass
+        // at a time, at max_tokens and at a stop token.
+        let sched = |e: &Arc<Engine>| {
+            EngineHandle::start(
+                e.clone(),
+                SchedulerConfig {
+                    kv_budget_bytes: 64 << 20,
+                    kv_dtype: req.toggles.kv_dtype,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        };
+        let (hp, ha) = (sched(&plain), sched(&ahead));
+        for (r, what) in [(&req, "scheduler"), (&stopped, "scheduler, stop token")] {
+            let a = collect(hp.submit(r.clone()).unwrap());
+            let b = collect(ha.submit(r.clone()).unwrap());
+            same_bits(&a, &b, &format!("{toggles}, {what}"));
+        }
+        let ran = |h: &EngineHandle| {
+            h.stats()
+                .steps_ahead
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        assert!(
+            ran(&ha) > 0,
+            "{toggles}: the scheduler never ran a step ahead"
+        );
+        assert_eq!(ran(&hp), 0, "{toggles}: run-ahead was off");
+        println!("{toggles:?}: running ahead gives the same bits (generate and the scheduler)");
     }
 }

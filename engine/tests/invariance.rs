@@ -6,6 +6,7 @@
 //! be batch-invariant, so in practice the results are bit-identical.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
@@ -141,15 +142,9 @@ fn prefix_cache_hit_and_miss_change_nothing() {
     let p = prompt(&e, r.random_range(70..140), &mut r);
     let want = reference(&e, &request(p.clone(), ""));
     let first = collect(h.submit(request(p.clone(), "prefix_cache=on")).unwrap());
-    let hits_before = h
-        .stats()
-        .prefix_hit_tokens
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let hits_before = h.stats().prefix_hit_tokens.load(Ordering::Relaxed);
     let second = collect(h.submit(request(p.clone(), "prefix_cache=on")).unwrap());
-    let hits_after = h
-        .stats()
-        .prefix_hit_tokens
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let hits_after = h.stats().prefix_hit_tokens.load(Ordering::Relaxed);
     assert!(
         hits_after - hits_before >= 64,
         "second request must hit the cache"
@@ -277,12 +272,7 @@ fn dropping_the_stream_frees_blocks_and_oversized_requests_are_refused() {
     }
     drop(s);
     let mut waited = 0;
-    while h
-        .stats()
-        .kv_blocks_used
-        .load(std::sync::atomic::Ordering::Relaxed)
-        > 0
-    {
+    while h.stats().kv_blocks_used.load(Ordering::Relaxed) > 0 {
         std::thread::sleep(std::time::Duration::from_millis(10));
         waited += 1;
         assert!(waited < 500, "blocks of a cancelled request were not freed");
@@ -398,9 +388,9 @@ fn packed_kv_pools_change_capacity_not_numbers() {
     };
     let blocks = |h: &EngineHandle| {
         let s = h.stats();
-        let bytes = s.kv_pool_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        let bytes = s.kv_pool_bytes.load(Ordering::Relaxed);
         assert!(bytes <= budget, "{bytes} bytes over a {budget}-byte budget");
-        s.kv_blocks_total.load(std::sync::atomic::Ordering::Relaxed)
+        s.kv_blocks_total.load(Ordering::Relaxed)
     };
     let f32_pool = start(KvDtype::F32);
     let f32_blocks = blocks(&f32_pool);
@@ -518,4 +508,125 @@ fn running_ahead_changes_nothing() {
             assert_eq!(o.tokens.len(), 3);
         }
     }
+}
+
+/// The scheduler's run-ahead for a lone sequence (each decode step submitted before the one
+/// ahead of it is collected, fed its token by the backend) gives what stepping one pass at a
+/// time gives: greedy requests ending at `max_tokens`, at a stop token, at a full context or
+/// cancelled by the client; a next turn that reuses blocks the prefix cache registered while a
+/// step was ahead; teacher-forced scoring; and a sequence that stops running alone when a second
+/// request arrives mid-way and runs alone again once that one is done. The engine told to run
+/// ahead must have done so, the other never.
+#[test]
+fn scheduler_running_ahead_changes_nothing() {
+    let load = |ahead: bool| {
+        let mut e = Engine::load_with(
+            &fixture("tiny-qwen2"),
+            &EngineOptions {
+                threads: Some(2),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        e.set_run_ahead(ahead);
+        handle(Arc::new(e))
+    };
+    let (plain, ahead) = (load(false), load(true));
+    let e = plain.engine().clone();
+    let both = |req: &GenerateRequest, what: &str| {
+        let want = collect(plain.submit(req.clone()).unwrap());
+        let got = collect(ahead.submit(req.clone()).unwrap());
+        identical(&want, &got).unwrap_or_else(|m| panic!("{what}: {m}"));
+        assert_eq!(want.text, got.text, "{what}");
+        assert_eq!(want.finish_reason, got.finish_reason, "{what}");
+        want
+    };
+    let mut r = rng();
+    let p = prompt(&e, r.random_range(20..60), &mut r);
+    for max_tokens in [1, 2, 9, 40] {
+        let mut req = request(p.clone(), "prefix_cache=on");
+        req.stop.max_tokens = max_tokens;
+        let out = both(&req, &format!("max_tokens {max_tokens}"));
+        assert_eq!(out.tokens.len(), max_tokens);
+    }
+    // The next turn of the conversation: its prompt holds the 40-token answer, whose blocks
+    // were registered by steps that had a step ahead of them.
+    let mut req = request(p.clone(), "prefix_cache=on");
+    req.stop.max_tokens = 40;
+    let answer = both(&req, "first turn");
+    let mut turn = p.clone();
+    turn.extend(&answer.tokens);
+    turn.extend(prompt(&e, 7, &mut r));
+    let hits = |h: &EngineHandle| h.stats().prefix_hit_tokens.load(Ordering::Relaxed);
+    let before = hits(&ahead);
+    both(&request(turn, "prefix_cache=on"), "next turn");
+    assert!(
+        hits(&ahead) - before >= (p.len() + 32) as u64 / 16 * 16,
+        "the next turn must reuse blocks written while a step ran ahead"
+    );
+    // A stop token: ends at the first occurrence of the answer's fourth token.
+    let mut stopped = request(p.clone(), "");
+    stopped.stop.max_tokens = 40;
+    stopped.stop.stop_token_ids = vec![answer.tokens[3]];
+    let first = answer
+        .tokens
+        .iter()
+        .position(|&t| t == answer.tokens[3])
+        .unwrap();
+    assert_eq!(both(&stopped, "stop token").tokens.len(), first + 1);
+    // A context that fills after three generated tokens.
+    let ctx = e.context_len();
+    let mut full = request(prompt(&e, ctx - 3, &mut r), "");
+    full.stop.max_tokens = 9;
+    assert_eq!(both(&full, "full context").tokens.len(), 3);
+    // Cancelled by the client after three tokens: the same three, and the scheduler goes on.
+    let three = |h: &EngineHandle| {
+        let mut s = h.submit(req.clone()).unwrap();
+        let mut ids = Vec::new();
+        while ids.len() < 3 {
+            match s.blocking_next() {
+                Some(Event::Token(t)) => ids.push(t.id),
+                other => panic!("cancel: {other:?}"),
+            }
+        }
+        ids
+    };
+    assert_eq!(three(&plain), three(&ahead), "cancel");
+    both(&req, "after a cancel");
+    // Teacher forcing through the scheduler.
+    let output = prompt(&e, 12, &mut r);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let score = |h: &EngineHandle| {
+        rt.block_on(h.score(p.clone(), output.clone(), 4, Toggles::default()))
+            .unwrap()
+    };
+    assert_eq!(score(&plain), score(&ahead), "scoring");
+    // A second request arrives after the lone sequence's second token and ends first.
+    let mut second = request(prompt(&e, r.random_range(5..40), &mut r), "");
+    second.stop.max_tokens = 3;
+    let (want_a, want_b) = (
+        collect(plain.submit(req.clone()).unwrap()),
+        collect(plain.submit(second.clone()).unwrap()),
+    );
+    let mut a = ahead.submit(req.clone()).unwrap();
+    let mut a_ids = Vec::new();
+    while a_ids.len() < 2 {
+        match a.blocking_next() {
+            Some(Event::Token(t)) => a_ids.push(t.id),
+            other => panic!("interleaved: {other:?}"),
+        }
+    }
+    let got_b = collect(ahead.submit(second).unwrap());
+    let got_a = collect(a);
+    same(&want_a, &got_a).unwrap_or_else(|m| panic!("the lone sequence, interleaved: {m}"));
+    same(&want_b, &got_b).unwrap_or_else(|m| panic!("the request that arrived: {m}"));
+    assert_eq!(&got_a.tokens[..2], &a_ids[..], "streamed tokens");
+    let ran_ahead = |h: &EngineHandle| h.stats().steps_ahead.load(Ordering::Relaxed);
+    assert!(
+        ran_ahead(&ahead) > 0,
+        "the scheduler never ran a step ahead"
+    );
+    assert_eq!(ran_ahead(&plain), 0, "run-ahead was off");
 }

@@ -245,6 +245,9 @@ pub struct CacheStats {
     pub prefix_hit_tokens: u64,
     /// Prompt tokens that had to be prefilled.
     pub prefill_tokens: u64,
+    /// Decode steps submitted before the step ahead of them was collected (a lone greedy
+    /// sequence on the GPU): the share of decoding that overlapped the host's work.
+    pub decode_steps_ahead: u64,
     /// KV blocks in use.
     pub kv_blocks_used: u64,
     /// KV blocks in the pool.
@@ -577,6 +580,7 @@ impl Backend for SchedulerBackend {
         Some(CacheStats {
             prefix_hit_tokens: s.prefix_hit_tokens.load(Ordering::Relaxed),
             prefill_tokens: s.prefill_tokens.load(Ordering::Relaxed),
+            decode_steps_ahead: s.steps_ahead.load(Ordering::Relaxed),
             kv_blocks_used: s.kv_blocks_used.load(Ordering::Relaxed) as u64,
             kv_blocks_total: s.kv_blocks_total.load(Ordering::Relaxed) as u64,
             kv_pool_bytes: s.kv_pool_bytes.load(Ordering::Relaxed) as u64,

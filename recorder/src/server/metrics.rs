@@ -194,6 +194,12 @@ impl Metrics {
                 "Prompt tokens that had to be prefilled.",
                 c.prefill_tokens,
             );
+            counter(
+                &mut out,
+                "tapedeck_decode_steps_ahead_total",
+                "Decode steps submitted before the step ahead of them was collected (a lone greedy sequence on a GPU).",
+                c.decode_steps_ahead,
+            );
             gauge(
                 &mut out,
                 "tapedeck_kv_blocks_used",
@@ -286,12 +292,14 @@ mod tests {
         let m = Metrics::default();
         let cache = CacheStats {
             prefill_tokens: 7,
+            decode_steps_ahead: 5,
             kv_pool_bytes: 3 << 20,
             kv_storage: Some(tapedeck_engine::toggles::KvDtype::Bf16),
             ..Default::default()
         };
         let cpu = m.render(Load::default(), Some(cache), WriterStats::default());
         assert_eq!(value(&cpu, "tapedeck_prefill_tokens_total"), Some(7.0));
+        assert_eq!(value(&cpu, "tapedeck_decode_steps_ahead_total"), Some(5.0));
         assert_eq!(value(&cpu, "tapedeck_kv_pool_bytes"), Some(3145728.0));
         assert_eq!(
             value(&cpu, "tapedeck_kv_cache_info{storage=\"bf16\"}"),
