@@ -19,8 +19,10 @@
 //! - `TAPEDECK_GEMV_BLOCK=4`: the standalone GEMV and gate/up kernels run blocks of 4 warps
 //!   instead of 8 (compiled with `GEMV_BLOCK_WARPS=4`): twice the blocks, each half as long, so
 //!   a launch's last wave is finer and each SM refills its memory pipe a smaller block at a time.
-//!   The same bits (a row's slices are summed in the same order). Long rows are split over at
-//!   most 4 warps.
+//!   The same bits (a row's slices are summed in the same order; the fused RMSNorm prologue's
+//!   128 threads play the 256 of the rms_norm kernel). Long rows are split over at most 4 warps.
+//!   Measured slower (llama-1b batch-1 decode on an H100: 851 against 867 tok/s; Nsight Compute
+//!   shows higher occupancy but the same DRAM throughput, eighteenth session).
 //! - `TAPEDECK_MMA_MERGE=in-kernel`: merge the mma decode kernel's splits in the mma kernel's last
 //!   block per KV head instead of in the separate combine kernel (`kernel`, the default). The
 //!   same bits either way; in-kernel measured slower (llama-1b batch-1 decode on the H200: 724
@@ -33,8 +35,9 @@
 //!   4096-token context 684 against 819 (more splits than the fast merge takes).
 //!   `TAPEDECK_MMA_MERGE=cluster`: the splits of a KV head run as one thread block cluster
 //!   (sm_90+, at most 8 splits, else the combine kernel), which meets at a cluster barrier, and
-//!   split 0's block merges them: no counter, no global fence, no combine launch. The same bits.
-//!   Not yet run on a GPU (written in the seventeenth session).
+//!   split 0's block merges them: no counter, no global fence, no combine launch. The same bits
+//!   (tested on an H100), but slower: 834 against 867 tok/s (llama-1b batch-1 decode, eighteenth
+//!   session).
 //! - `TAPEDECK_GEMV_GRID=K`: run the GEMV and gate/up kernels on at most K blocks per SM (1-8),
 //!   each looping over its rows with the next row's weights in flight (compiled with
 //!   `GEMV_PERSIST=1`), instead of one block per 8 rows (0, the default). A one-wave grid lets the
