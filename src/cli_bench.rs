@@ -269,13 +269,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .collect();
         if !levels.is_empty() {
             println!(
-                "{:>11} {:>14} {:>12} {:>12} {:>10} {:>14}",
+                "{:>11} {:>14} {:>12} {:>12} {:>10} {:>14} {:>12}",
                 "concurrency",
                 "output tok/s",
                 "ITL p50 ms",
                 "ITL p99 ms",
                 "TTFT p50",
-                "KV peak MiB"
+                "KV peak MiB",
+                "device busy"
             );
         }
         for &c in &levels {
@@ -290,15 +291,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
             // and capture the graphs of its batch sizes, which a single request at concurrency 1
             // would otherwise count as its TTFT.
             batch(args.gen.min(4))?;
+            // The device's share of the round (an accelerator only): what is not busy is the
+            // host's scheduling, launching and streaming between passes.
+            let busy_before = engine.backend().device_time();
             let round = batch(args.gen)?;
+            let busy = match (busy_before, engine.backend().device_time()) {
+                (Some((a, _)), Some((b, _))) => {
+                    format!("{:.0}%", 100.0 * (b - a).as_secs_f64() / round.secs)
+                }
+                _ => "-".into(),
+            };
             println!(
-                "{:>11} {:>14.1} {:>12.2} {:>12.2} {:>10.1} {:>14.1}",
+                "{:>11} {:>14.1} {:>12.2} {:>12.2} {:>10.1} {:>14.1} {:>12}",
                 c,
                 round.tokens as f64 / round.secs,
                 round.itl.value_at_quantile(0.5) as f64 / 1e3,
                 round.itl.value_at_quantile(0.99) as f64 / 1e3,
                 round.ttft.value_at_quantile(0.5) as f64 / 1e3,
-                handle.stats().kv_peak_mib()
+                handle.stats().kv_peak_mib(),
+                busy
             );
         }
         if !levels.is_empty() {
