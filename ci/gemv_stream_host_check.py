@@ -37,14 +37,16 @@ code = "\n".join(
         "#define __global__\n#define __launch_bounds__(a, b)\n#define TD_SCOPE(name)\n#define TD_WAITED()",
         cut(eng, "typedef unsigned short bf16_t;", "f32_to_bf16_bits("),
         cut(eng, "__device__ __forceinline__ float warp_sum", "block_sum("),
+        cut(eng, "template <int V>\n__device__ float block_sum_as_256", "block_sum_as_256("),
         cut(eng, "__device__ __forceinline__ void pdl_wait()", "pdl_launch_dependents("),
         default("NORM_UNROLL"),
         default("GEMV_MAX_ROWS"),
         default("GEMV_WARPS"),
+        default("GEMV_BLOCK_WARPS"),
         default("GEMV_PRE"),
         default("GEMV_STREAM_DEPTH"),
         "#define GEMV_PERSIST 0",
-        cut(eng, "template <int N, typename Store>", "rms_norm_rows("),
+        cut(eng, "template <int N, int T = 256, typename Store>", "rms_norm_rows("),
         cut(eng, "__device__ __forceinline__ float bf16_lo", "bf16_hi("),
         # The weight loads' PTX (ld.global.nc with cache hints), as a plain load.
         "static uint4 load_stream(const uint4* p) { return *p; }",
@@ -52,9 +54,10 @@ code = "\n".join(
         cut(eng, "__device__ __forceinline__ void gemv_prefetch", "gemv_prefetch("),
         cut(eng, "template <int N, bool XF32>\n__device__ __forceinline__ void gemv_chunk", "void gemv_store("),
         # The dynamic shared memory of a GEMV block, as a fixed host array.
-        cut(eng, "template <int N>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
+        cut(eng, "template <int N, int T = 32 * GEMV_WARPS>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
         .replace("extern __shared__ uint4 gemv_smem[];", "static uint4 gemv_smem[4096];"),
-        cut(eng, "struct GemvInput {", "operator()(") + "\n};",
+        cut(eng, "template <int T>\nstruct GemvInputOf {", "operator()(") + "\n};",
+        "typedef GemvInputOf<32 * GEMV_WARPS> GemvInput;",
         cut(eng, "struct GemvTarget {", "gemv_target("),
         cut(eng, "template <int N, typename Input>\n__device__ __forceinline__ void gemv_kernel", "void gemv_kernel("),
         define("GEMV_PARAMS"),
