@@ -389,10 +389,11 @@ __device__ __forceinline__ void prefill(float* __restrict__ out, const float* __
   }
 #pragma unroll
   for (int i = 0; i < 2 * MT; ++i) {
-    if (rtok[i] < 0) continue;
+    // The row slot's token again (recomputed rather than kept live across the tile loop).
+    const int r = 16 * MT * warp + 16 * (i >> 1) + g + 8 * (i & 1), h = i & 1, tl = r / group;
+    if (tl >= count) continue;
     const float inv = 1.0f / l[i];
-    const int r = 16 * MT * warp + 16 * (i >> 1) + g + 8 * (i & 1), h = i & 1;
-    float* orow = out + ((size_t)rtok[i] * heads + kvh * group + r % group) * D + 2 * c;
+    float* orow = out + ((size_t)(t0 + tl) * heads + kvh * group + r % group) * D + 2 * c;
 #pragma unroll
     for (int j = 0; j < D / 8; ++j)
       *reinterpret_cast<float2*>(orow + 8 * j) =
