@@ -751,6 +751,16 @@ __device__ __forceinline__ void merge_if_last_split(unsigned* counter, int ns, f
                   group, seq, smem);
 }
 
+// A sequence with an empty context (no split ran): the zeros decode_attn_combine writes for
+// query heads head0 .. head0 + group - 1, by one block of DA_THREADS threads.
+__device__ __forceinline__ void combine_empty(float* out, const float* partial_out, const float* partial_ml,
+                                              const int* context_lens, int num_heads, int head_dim, int split_len,
+                                              int max_splits, int head0, int group, int seq) {
+  for (int j = 0; j < group; j++)
+    combine_head_t<DA_THREADS>(out, partial_out, partial_ml, context_lens, num_heads, head_dim, split_len,
+                               max_splits, head0 + j, seq);
+}
+
 // Block (kvh, seq, split)'s attention (mma_impl) for the head_dims it takes; false (nothing
 // done) for another head_dim.
 template <typename T>
@@ -798,9 +808,8 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
   const int len = context_lens[seq];
   if (len <= 0) {  // no split ran: the first block writes the zeros decode_attn_combine would
     if (split == 0)
-      for (int j = 0; j < group; j++)
-        combine_head_t<DA_THREADS>(out, partial_out, partial_ml, context_lens, nh, head_dim, split_len, max_splits,
-                                   kvh * group + j, seq);
+      combine_empty(out, partial_out, partial_ml, context_lens, nh, head_dim, split_len, max_splits, kvh * group,
+                    group, seq);
     return;
   }
   if (!done) return;
@@ -846,9 +855,8 @@ __device__ __forceinline__ void mma_cluster_entry(float* out, const float* q, co
   const int group = nh / nkv;
   const int len = context_lens[seq];
   if (len <= 0) {  // no split ran: the zeros decode_attn_combine would write
-    for (int j = 0; j < group; j++)
-      combine_head_t<DA_THREADS>(out, partial_out, partial_ml, context_lens, nh, head_dim, split_len, max_splits,
-                                 kvh * group + j, seq);
+    combine_empty(out, partial_out, partial_ml, context_lens, nh, head_dim, split_len, max_splits, kvh * group, group,
+                  seq);
     return;
   }
   const int ns = min((len + split_len - 1) / split_len, max_splits);

@@ -8,6 +8,7 @@
 
 use std::time::Instant;
 
+use crate::backend::{Feed, Ticket};
 use crate::error::Result;
 use crate::generate::{FinishReason, GenerateOutput, GenerateRequest, Timings, TokenEvent};
 use crate::model::{Logits, Pick, WantLogits};
@@ -115,6 +116,25 @@ impl Decoding {
     /// has ended generation. An end-of-sequence or stop string may still end it sooner.
     pub fn may_produce(&self, n: usize) -> bool {
         !self.done && n < self.max_tokens
+    }
+
+    /// The input of a step submitted ahead, after the step `producing` token number `n` and
+    /// before that one is collected: the forced token where teacher forcing gives it, else the
+    /// token `producing` picks. `None` where generation cannot go on past token `n` (the rules
+    /// [`step`](Self::step) applies; `room`: the context has a position for token `n`).
+    pub fn feed_ahead<'t>(
+        &self,
+        n: usize,
+        room: bool,
+        producing: &'t mut Ticket,
+    ) -> Option<Feed<'t>> {
+        if !(room && self.may_produce(n + 1)) {
+            return None;
+        }
+        Some(match self.forced_at(n) {
+            Some(t) => Feed::Token(t),
+            None => Feed::Picked(producing),
+        })
     }
 
     /// Chooses the next token from `logits` (as [`want`](Self::want) asked for them);

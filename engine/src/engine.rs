@@ -293,20 +293,15 @@ impl Engine {
         loop {
             // The next step's input is token n, at position cache.len(): submitted where
             // generation can go on past token n (the rules `Decoding::step` applies).
-            let ahead = if dec.may_produce(n + 1) && cache.len() + 1 < ctx {
-                let feed = match dec.forced_at(n) {
-                    Some(t) => Feed::Token(t),
-                    None => Feed::Picked(&mut cur),
-                };
-                match self.submit_step(cache, feed, dec.want_at(n + 1), toggles) {
+            let ahead = match dec.feed_ahead(n, cache.len() + 1 < ctx, &mut cur) {
+                Some(feed) => match self.submit_step(cache, feed, dec.want_at(n + 1), toggles) {
                     Ok(t) => Some(t),
                     Err(e) => {
                         self.backend.discard(cur);
                         return Err(e);
                     }
-                }
-            } else {
-                None
+                },
+                None => None,
             };
             // The cache length the step of token n saw, without the step ahead.
             let seen = cache.len() - usize::from(ahead.is_some());

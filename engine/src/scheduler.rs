@@ -475,17 +475,13 @@ impl Core {
             let s = &mut self.running[0];
             // The next step's input is token n: submitted where generation can go on past it
             // and nothing else wants the engine.
-            let ahead = if go_on
-                && self.waiting.is_empty()
-                && !s.tx.is_closed()
-                && s.dec.may_produce(n + 1)
-                && s.table.len + 1 < ctx
-            {
+            let feed = if go_on && self.waiting.is_empty() && !s.tx.is_closed() {
+                s.dec.feed_ahead(n, s.table.len + 1 < ctx, &mut cur)
+            } else {
+                None
+            };
+            let ahead = if let Some(feed) = feed {
                 let want = s.dec.want_at(n + 1);
-                let feed = match s.dec.forced_at(n) {
-                    Some(t) => Feed::Token(t),
-                    None => Feed::Picked(&mut cur),
-                };
                 match self.submit_solo(feed, want, &toggles) {
                     Ok(t) => {
                         self.stats.steps_ahead.fetch_add(1, Ordering::Relaxed);

@@ -339,15 +339,13 @@ impl Gpu {
             Some(per_sm) => stream_blocks(self.sms, per_sm, total),
             None => self.gemv_grid((total * splits).div_ceil(block)),
         };
-        let threads = match stream {
-            Some(_) => 32 * GEMV_WARPS,
-            None => 32 * block,
-        };
+        // The streaming kernels keep GEMV_WARPS warps a block.
+        let warps = if stream.is_some() { GEMV_WARPS } else { block };
         a.launch_pdl(
             &self.stream,
             gemv_for(kernels, n)?,
             (grid, 1, 1),
-            threads,
+            32 * warps,
             smem,
             pdl && self.pdl_capable,
         )
