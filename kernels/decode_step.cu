@@ -84,12 +84,6 @@ struct MkParams {
     float eps, scale;
 };
 
-__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // Every block of the grid arrives before any leaves; what any block wrote before is visible to
 // every block after (release by the arriving fence, acquire by the leaving load). bar[0] counts
 // arrivals and is reset by the last one, which then advances the generation bar[1] that the

@@ -193,6 +193,14 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// A load that orders every later load of this thread after it at GPU scope (the acquire half
+// of a counter handshake between blocks: the writer's __threadfence + atomicAdd is the release).
+__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // Strides of a block-wide row loop whose loads are issued together. A plain
 // `for (i = threadIdx.x; i < d; i += blockDim.x)` loop is not unrolled by NVRTC when d is a
 // run-time value, so each stride waited for its load before issuing the next: eight dependent
@@ -789,6 +797,187 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLO
 extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_4(SWIGLU_PARAMS) {
     TD_SCOPE("gemv_bf16_swiglu_4");
     swiglu_kernel<4>(SWIGLU_ARGS);
+}
+
+// ---- The MLP as one dataflow grid (fuse=on with TAPEDECK_FUSE=...,mlp) ----
+//
+// gate/up + SiLU·up and the down projection + residual add of one layer, for 1-2 rows, in one
+// launch instead of two. Each of the two kernels ends in a tail (its last wave drains while no
+// new weights are requested) and the second starts with a ramp; at batch 1 that boundary costs
+// several microseconds a layer. Here the down projection is cut along its input into the same
+// slices the separate down GEMV gives its warps (`splits`, host gemv_splits): slice c of every
+// output needs only the SiLU·up features of chunk c, so it starts as soon as the gate/up blocks
+// of chunk c are done, while those of later chunks still stream their weights.
+//
+// Work items follow blockIdx.x, which is the order blocks are dispatched in (CUB's single-pass
+// scan relies on the same): gate/up chunk 0, 1, ..., with down slice c placed MLP_FLOW_LAG
+// gate/up chunks after gate/up chunk c. A block only ever waits for blocks of smaller index,
+// already running or done, so the grid cannot deadlock. A down item prefetches its weights
+// before it waits. Its slice sum goes to `partial`; the last of an output group's `splits`
+// items to arrive (a counter per group) adds the slices in slice order and then the residual,
+// as gemv_kernel's split path does: the same bits as the two kernels. The residual stream is
+// written only by those last arrivals, each after every gate/up item is done (all slices of
+// its group waited for their chunk), so no gate/up block can still be reading it for its norm.
+//
+// counters (u32, one set per layer, zeroed before the first launch and left zeroed by every
+// launch: each counter is cleared by the block that sees its last use): [c] gate/up blocks done
+// of chunk c, [8 + c] down blocks of slice c past their wait (c < 8), [MLP_FLOW_GROUPS_AT + g]
+// slices done of output group g. partial: (splits, N, hidden) f32. grid splits * (inter /
+// splits / GEMV_WARPS + hidden / (MLP_FLOW_DROWS * GEMV_WARPS)), block 32 * GEMV_WARPS;
+// hidden % (MLP_FLOW_DROWS * GEMV_WARPS) == 0, inter % (splits * GEMV_WARPS) == 0, splits <= 8.
+#ifndef MLP_FLOW_LAG
+#define MLP_FLOW_LAG 1
+#endif
+#define MLP_FLOW_GROUPS_AT 16
+// Blocks per SM the entry points are compiled to fit (a sweep knob, as GEMV_MIN_BLOCKS): the
+// separate down GEMV runs 3-4 blocks per SM on 71 registers, this grid 2 on 91 at 1.
+// Output features a down warp takes (its rows GEMV_WARPS apart): 2 keeps 8 KB of weights in
+// flight a warp, as gate/up does; 1 is the separate down GEMV's 4 KB.
+#ifndef MLP_FLOW_DROWS
+#define MLP_FLOW_DROWS 2
+#endif
+#ifndef MLP_FLOW_MIN_BLOCKS
+#define MLP_FLOW_MIN_BLOCKS 1
+#endif
+
+template <int N>
+__device__ __forceinline__ void mlp_flow_kernel(const void* x, const float* norm_w, float eps,
+                                                int hidden, int inter, int splits,
+                                                const bf16_t* wg, const float* bg,
+                                                const bf16_t* wu, const float* bu, bf16_t* act,
+                                                const bf16_t* wd, const float* bd, float* y,
+                                                float* partial, unsigned* counters) {
+    __shared__ int s_last;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Which item this block is: a gate/up block of chunk `chunk` or a down block of slice `chunk`.
+    int gu_items = inter / splits / GEMV_WARPS, d_items = hidden / (MLP_FLOW_DROWS * GEMV_WARPS);
+    int idx = blockIdx.x, chunk = 0;
+    bool down = false;
+    for (int i = 0; i < splits + MLP_FLOW_LAG; i++) {
+        if (i < splits) {
+            if (idx < gu_items) {
+                chunk = i;
+                break;
+            }
+            idx -= gu_items;
+        }
+        if (i >= MLP_FLOW_LAG) {
+            if (idx < d_items) {
+                chunk = i - MLP_FLOW_LAG;
+                down = true;
+                break;
+            }
+            idx -= d_items;
+        }
+    }
+    int slice = inter / splits;
+    if (!down) {
+        // gate/up + SiLU·up of feature `row`, as swiglu_kernel computes it.
+        int row = chunk * slice + idx * GEMV_WARPS + warp;
+        size_t at = (size_t)row * hidden;
+        uint4 pre_g[GEMV_PRE], pre_u[GEMV_PRE];
+        gemv_prefetch(wg + at, hidden, lane, true, pre_g);
+        gemv_prefetch(wu + at, hidden, lane, true, pre_u);
+        pdl_launch_dependents();
+        pdl_wait();
+        if (norm_w) x = gemv_norm_prologue<N>((const float*)x, norm_w, eps, hidden);
+        float g[N], u[N];
+        gemv_row<N, false>(wg + at, pre_g, x, hidden, 0, hidden, lane, g);
+        gemv_row<N, false>(wu + at, pre_u, x, hidden, 0, hidden, lane, u);
+        swiglu_store<N>(g, u, bg, bu, act, inter, row, lane);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(counters + chunk, 1u);
+        }
+        return;
+    }
+    // Slice `chunk` of output features `row0 + j * GEMV_WARPS` (j < MLP_FLOW_DROWS) of the down
+    // projection, each as one of gemv_kernel's split warps computes it: a warp keeps as many
+    // weight bytes in flight as a gate/up warp.
+    int row0 = idx * MLP_FLOW_DROWS * GEMV_WARPS + warp, k0 = chunk * slice;
+    uint4 pre[MLP_FLOW_DROWS][GEMV_PRE];
+#pragma unroll
+    for (int j = 0; j < MLP_FLOW_DROWS; j++)
+        gemv_prefetch(wd + (size_t)(row0 + j * GEMV_WARPS) * inter + k0, slice, lane, true,
+                      pre[j]);
+    pdl_launch_dependents();
+    pdl_wait();
+    unsigned passed = 0;
+    if (threadIdx.x == 0) {
+        while (ld_acquire_u32(counters + chunk) < (unsigned)gu_items) {
+        }
+        __threadfence();
+        // Read only at the end: its latency hides behind the sums.
+        passed = atomicAdd(counters + 8 + chunk, 1u);
+    }
+    __syncthreads();
+    float acc[MLP_FLOW_DROWS][N];
+#pragma unroll
+    for (int j = 0; j < MLP_FLOW_DROWS; j++)
+        gemv_row<N, false>(wd + (size_t)(row0 + j * GEMV_WARPS) * inter + k0, pre[j], act, inter,
+                           k0, slice, lane, acc[j]);
+    if (splits == 1) {
+#pragma unroll
+        for (int j = 0; j < MLP_FLOW_DROWS; j++)
+            gemv_store<N>(acc[j], bd, y, hidden, row0 + j * GEMV_WARPS, 1, lane);
+    } else {
+#pragma unroll
+        for (int j = 0; j < MLP_FLOW_DROWS; j++) {
+#pragma unroll
+            for (int r = 0; r < N; r++) {
+                if (lane == r)
+                    partial[((size_t)chunk * N + r) * hidden + row0 + j * GEMV_WARPS] = acc[j][r];
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            unsigned* group = counters + MLP_FLOW_GROUPS_AT + idx;
+            s_last = atomicAdd(group, 1u) == (unsigned)splits - 1;
+            if (s_last) {
+                *group = 0u;  // every slice of the group has arrived
+                __threadfence();
+            }
+        }
+        __syncthreads();
+        if (s_last) {
+            // The slices in slice order, as gemv_kernel adds its warps' sums.
+#pragma unroll
+            for (int j = 0; j < MLP_FLOW_DROWS; j++) {
+                int row = row0 + j * GEMV_WARPS;
+                float sum[N];
+#pragma unroll
+                for (int r = 0; r < N; r++) {
+                    sum[r] = __ldcg(partial + (size_t)r * hidden + row);
+                    for (int s = 1; s < splits; s++)
+                        sum[r] += __ldcg(partial + ((size_t)s * N + r) * hidden + row);
+                }
+                gemv_store<N>(sum, bd, y, hidden, row, 1, lane);
+            }
+        }
+    }
+    // The last down block of the slice past its wait: no block reads the slice's counters again.
+    if (threadIdx.x == 0 && passed == (unsigned)d_items - 1) {
+        counters[chunk] = 0u;
+        counters[8 + chunk] = 0u;
+    }
+}
+
+#define MLP_FLOW_PARAMS                                                                          \
+    const void *x, int x_f32, const float *norm_w, float eps, int n, int hidden, int inter,     \
+        int splits, const bf16_t *wg, const float *bg, const bf16_t *wu, const float *bu,       \
+        bf16_t *act, const bf16_t *wd, const float *bd, float *y, float *partial,               \
+        unsigned *counters
+#define MLP_FLOW_ARGS \
+    x, norm_w, eps, hidden, inter, splits, wg, bg, wu, bu, act, wd, bd, y, partial, counters
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, MLP_FLOW_MIN_BLOCKS) mlp_flow_1(MLP_FLOW_PARAMS) {
+    TD_SCOPE("mlp_flow_1");
+    mlp_flow_kernel<1>(MLP_FLOW_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, MLP_FLOW_MIN_BLOCKS) mlp_flow_2(MLP_FLOW_PARAMS) {
+    TD_SCOPE("mlp_flow_2");
+    mlp_flow_kernel<2>(MLP_FLOW_ARGS);
 }
 
 // ---- Streaming GEMV for one input row (TAPEDECK_GEMV_STREAM) ----

@@ -41,6 +41,15 @@ status=0
       | tee "$out/$(basename "$t")-fuse-all.log"; then
     status=1
   fi
+  # The MLP as one dataflow grid (TAPEDECK_FUSE=...,mlp), with the separate down GEMV's slices
+  # (2 and 4 on the test shapes) and with 8 (TAPEDECK_GEMV_SLICE=256 applies to both paths; not
+  # with rope, whose q/k/v kernel keeps one warp a feature while the plain GEMV splits at 256).
+  for run in rope,head,mlp:2048 head,mlp:256; do
+    if ! TAPEDECK_FUSE=${run%%:*} TAPEDECK_GEMV_SLICE=${run#*:} timeout 120 "$t" fused_decode \
+        --test-threads=1 --nocapture 2>&1 | tee "$out/$(basename "$t")-fuse-mlp-${run#*:}.log"; then
+      status=1
+    fi
+  done
   # The splits merged in their thread block cluster (TAPEDECK_MMA_MERGE=cluster): the megakernel
   # test compares that path with the persistent kernel's merge bit for bit.
   if ! TAPEDECK_MMA_MERGE=cluster timeout 200 "$t" megakernel graphs_replay mma_bf16_decode running_ahead \

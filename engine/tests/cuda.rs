@@ -1326,15 +1326,24 @@ fn cuda_fused_decode_kernels_are_bit_identical_to_the_separate_ones() {
         ] {
             let plain = score(&format!("{base}{extra}"));
             let (rope0, merge0) = tapedeck_engine::cuda::fused_layers();
+            let mlp0 = tapedeck_engine::cuda::fused_mlp_layers();
             let fused = score(&format!("{base}{extra},fuse=on"));
             let (rope1, merge1) = tapedeck_engine::cuda::fused_layers();
+            let mlp = tapedeck_engine::cuda::fused_mlp_layers() - mlp0;
             let (same, worst) = same_scores(&plain, &fused);
             let (rope, merge) = (rope1 - rope0, merge1 - merge0);
             println!(
                 "{} [{base}{extra}] fuse=on: {rope} layers with RoPE fused, {merge} with the merge \
-                 fused; identical: {same} (worst |Δ logprob| {worst:e})",
+                 fused, {mlp} with the MLP as one grid; identical: {same} (worst |Δ logprob| \
+                 {worst:e})",
                 spec.name
             );
+            // The MLP fusion is opt-in (TAPEDECK_FUSE=...,mlp): every one-row layer takes it.
+            if tapedeck_engine::cuda::mlp_fusion_in_effect() {
+                assert!(mlp >= 2, "{}{extra}: the MLP never fused", spec.name);
+            } else {
+                assert_eq!(mlp, 0, "{}{extra}: the MLP fused though off", spec.name);
+            }
             // What `fuse=on` applies here (TAPEDECK_FUSE; the default leaves the merge out, so
             // the device scripts run this test a second time with TAPEDECK_FUSE=rope,merge,head).
             let (want_rope, want_merge, _) = tapedeck_engine::cuda::fusions_in_effect();
@@ -1364,8 +1373,18 @@ fn cuda_fused_decode_kernels_are_bit_identical_to_the_separate_ones() {
             let t = |f: &str| format!("{base}{kv}{f}").parse::<Toggles>().unwrap();
             let plain = batched_decode(&gpu, &prompts, &steps, &t(""));
             let (_, merge0) = tapedeck_engine::cuda::fused_layers();
+            let mlp0 = tapedeck_engine::cuda::fused_mlp_layers();
             let fused = batched_decode(&gpu, &prompts, &steps, &t(",fuse=on"));
             let (_, merge1) = tapedeck_engine::cuda::fused_layers();
+            // The MLP grid has entry points for 1-2 rows: 2 sequences take it, 3 do not.
+            let mlp = tapedeck_engine::cuda::fused_mlp_layers() - mlp0;
+            let want_mlp = tapedeck_engine::cuda::mlp_fusion_in_effect() && n <= 2;
+            assert_eq!(
+                mlp > 0,
+                want_mlp,
+                "{} {n} sequences: {mlp} layers with the MLP as one grid",
+                spec.name
+            );
             let same = plain.iter().zip(&fused).all(|(x, y)| same_bits(x, y));
             println!(
                 "{} {n} sequences{kv}: fuse=on identical: {same}, worst rel L2 {:e}",

@@ -51,6 +51,8 @@ pub const ENGINE: KernelSource = KernelSource {
         "gemv_bf16_swiglu_2",
         "gemv_bf16_swiglu_3",
         "gemv_bf16_swiglu_4",
+        "mlp_flow_1",
+        "mlp_flow_2",
         "gemv_bf16_qkv_rope_1",
         "gemv_bf16_qkv_rope_2",
         "gemv_bf16_qkv_rope_3",

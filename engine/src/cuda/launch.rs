@@ -45,6 +45,8 @@ pub(super) struct Kernels {
     /// The GEMV kernels for 1..=GEMV_MAX_ROWS rows (index rows - 1).
     pub(super) gemv: Vec<CudaFunction>,
     pub(super) gemv_swiglu: Vec<CudaFunction>,
+    /// gate/up and down as one dataflow grid (`fuse=on` with `mlp`), for 1 and 2 rows.
+    pub(super) mlp_flow: [CudaFunction; 2],
     /// The o projection that merges the mma kernel's splits as it reads them (`fuse=on`), per
     /// row count like `gemv`.
     pub(super) gemv_merged: Vec<CudaFunction>,
@@ -192,6 +194,7 @@ impl Kernels {
             f32_to_bf16: f("f32_to_bf16")?,
             gemv: rows(&module, "gemv_bf16")?,
             gemv_swiglu: rows(&module, "gemv_bf16_swiglu")?,
+            mlp_flow: [f("mlp_flow_1")?, f("mlp_flow_2")?],
             gemv_merged: rows(&fused, "gemv_bf16_merged")?,
             gemv_stream: f("gemv_stream_bf16_1")?,
             gemv_stream_swiglu: f("gemv_stream_swiglu_1")?,

@@ -220,6 +220,37 @@ pub(super) fn gemv_splits(inp: usize, n: usize, slice: usize) -> usize {
     }
     s
 }
+/// Where the MLP dataflow kernel's per-output-group counters start in its counter set
+/// (`MLP_FLOW_GROUPS_AT` in kernels/engine.cu).
+pub(super) const MLP_FLOW_GROUPS_AT: usize = 16;
+
+/// The MLP dataflow kernel's buffers for one pass (`mlp_flow_N`, kernels/engine.cu).
+pub(super) struct MlpFlow {
+    /// Zeroed u32 counter sets, one per layer, `stride` words apart.
+    pub(super) counters: u64,
+    pub(super) stride: usize,
+    /// The down projection's slice sums, (splits, rows, hidden) f32.
+    pub(super) partial: u64,
+    /// Slices of the down projection: the warps per feature of the separate down GEMV, so that
+    /// the sums are added in the same order and the bits agree.
+    pub(super) splits: usize,
+}
+
+/// The down-projection slices of the MLP dataflow kernel for `n` rows of a `hidden` → `inter`
+/// → `hidden` MLP, or `None` where it does not apply: it has entry points for 1 and 2 rows
+/// (the separate GEMVs split their rows only up to 2), runs blocks of `GEMV_WARPS` warps, one
+/// per row group (so not with `TAPEDECK_GEMV_BLOCK=4` or `TAPEDECK_GEMV_GRID`), and needs whole
+/// row groups in every slice and whole output groups (`TAPEDECK_MLP_DROWS` warps' worth).
+pub(super) fn mlp_flow_splits(hidden: usize, inter: usize, n: usize) -> Option<usize> {
+    let t = tune::get();
+    if !(1..=2).contains(&n) || t.gemv_block != GEMV_WARPS || t.gemv_grid != 0 {
+        return None;
+    }
+    let s = gemv_splits(inter, n, t.gemv_slice);
+    (hidden.is_multiple_of(t.mlp_drows * GEMV_WARPS) && inter.is_multiple_of(s * GEMV_WARPS))
+        .then_some(s)
+}
+
 /// Blocks of a streaming GEMV launch (`TAPEDECK_GEMV_STREAM=per_sm`) over `tasks` output
 /// features: at most `per_sm` per SM, never more than the tasks need, and where a grid of at
 /// least three quarters of that divides the features evenly among its warps, that one: every
@@ -394,6 +425,55 @@ impl Gpu {
                 kernel,
                 (grid, 1, 1),
                 threads,
+                smem,
+                pdl && self.pdl_capable,
+            )
+    }
+
+    /// `y (n, hidden) += down(bf16(silu(x · Wgᵀ) · (x · Wuᵀ)))` of one layer as one dataflow
+    /// grid (`mlp_flow_N`, kernels/engine.cu): what `swiglu` into `act` followed by the down
+    /// `gemv` with `add` computes, bit for bit, without the kernel boundary between them. `li`
+    /// picks the layer's counter set.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mlp_flow(
+        &self,
+        layer: &DevLayer,
+        x: GemvIn,
+        n: usize,
+        act: u64,
+        y: u64,
+        flow: &MlpFlow,
+        li: usize,
+        pdl: bool,
+    ) -> Result<()> {
+        if matches!(x, GemvIn::F32(_) | GemvIn::Merged(_)) || !(1..=2).contains(&n) {
+            return Err(Error::Device(
+                "the MLP dataflow kernel takes 1-2 rows of bf16 or normalized input".into(),
+            ));
+        }
+        let (gate, up, down) = (&layer.gate, &layer.up, &layer.down);
+        let (hidden, inter, s) = (gate.inp, gate.out, flow.splits);
+        let (a, smem) = x.args(Args::new(), n, hidden);
+        let grid = s * (inter / s / GEMV_WARPS + hidden / (tune::get().mlp_drows * GEMV_WARPS));
+        a.i(n)
+            .i(hidden)
+            .i(inter)
+            .i(s)
+            .p(gate.w_bf16.ptr)
+            .p(bias(gate))
+            .p(up.w_bf16.ptr)
+            .p(bias(up))
+            .p(act)
+            .p(down.w_bf16.ptr)
+            .p(bias(down))
+            .p(y)
+            .p(flow.partial)
+            .p(flow.counters + (li * flow.stride * 4) as u64)
+            .launch_pdl(
+                &self.stream,
+                &self.k.mlp_flow[n - 1],
+                (grid, 1, 1),
+                32 * GEMV_WARPS,
                 smem,
                 pdl && self.pdl_capable,
             )

@@ -269,6 +269,10 @@ pub(super) struct Scratch {
     pub(super) mma_done: Option<DevBuf>,
     /// The persistent decode step's rotated queries, one copy per split (splits, heads, head_dim).
     pub(super) mk_q: Option<DevBuf>,
+    /// The MLP dataflow kernel's counters (one zeroed set per layer, left zeroed by every
+    /// launch) and its down-projection slice sums.
+    pub(super) mlp_counters: Option<DevBuf>,
+    pub(super) mlp_partial: Option<DevBuf>,
     /// Token picking: per-chunk statistics and candidates, and the results copied back.
     pub(super) pick_stats: Option<DevBuf>,
     pub(super) pick_top: Option<DevBuf>,

@@ -134,6 +134,8 @@ pub fn cluster_merges() -> u64 {
 /// into the o GEMV (`fuse=on`), in this process: so a test can tell that each fusion took effect.
 static FUSED_ROPE: AtomicU64 = AtomicU64::new(0);
 static FUSED_MERGE: AtomicU64 = AtomicU64::new(0);
+/// Layers recorded with the MLP as one dataflow grid (`fuse=on` with `TAPEDECK_FUSE=...,mlp`).
+static FUSED_MLP: AtomicU64 = AtomicU64::new(0);
 
 /// How many layers were recorded so far with the fused q/k/v + RoPE kernel and with the fused
 /// split merge (see [`Toggles::fuse`]); a graph replay records nothing, so counts only captures
@@ -143,6 +145,18 @@ pub fn fused_layers() -> (u64, u64) {
         FUSED_ROPE.load(Ordering::Relaxed),
         FUSED_MERGE.load(Ordering::Relaxed),
     )
+}
+
+/// How many layers were recorded so far with gate/up and down as one dataflow grid (the MLP
+/// fusion), counted like [`fused_layers`].
+pub fn fused_mlp_layers() -> u64 {
+    FUSED_MLP.load(Ordering::Relaxed)
+}
+
+/// Whether `fuse=on` runs the MLP as one dataflow grid in this process (`TAPEDECK_FUSE` names
+/// `mlp`), where the shape allows (1-2 rows on the GEMV path).
+pub fn mlp_fusion_in_effect() -> bool {
+    tune::get().fuse.mlp
 }
 
 /// Which fusions `fuse=on` applies in this process (RoPE, split merge, head norm), as

@@ -12,8 +12,8 @@ use cudarc::driver::CudaContext;
 use super::host::{Laps, Part};
 use super::launch::Args;
 use super::linears::{
-    bias, gemv_splits, DevLinear, GemvIn, MergedSplits, RopeArgs, FUSED_MERGE_MAX_SPLITS,
-    GEMV_MAX_ROWS, GEMV_NORM_SMEM,
+    bias, gemv_splits, mlp_flow_splits, DevLinear, GemvIn, MergedSplits, MlpFlow, RopeArgs,
+    FUSED_MERGE_MAX_SPLITS, GEMV_MAX_ROWS, GEMV_NORM_SMEM, GEMV_WARPS, MLP_FLOW_GROUPS_AT,
 };
 use super::memory::{ensure, ensure_zeroed, DeviceKv, KvElem};
 use super::meta::{
@@ -21,7 +21,7 @@ use super::meta::{
 };
 use super::{
     dev_err, kernels, kv_key, split_rule, step, tune, Graph, GraphKey, Inner, CLUSTER_MERGES,
-    FUSED_MERGE, FUSED_ROPE, GRAPH_CACHE,
+    FUSED_MERGE, FUSED_MLP, FUSED_ROPE, GRAPH_CACHE,
 };
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -68,6 +68,8 @@ pub(super) struct Pass {
     /// write in the q/k/v GEMV, the split merge in the o GEMV, the final norm in the head (each
     /// where its conditions hold, see `record`).
     pub(super) fuse: tune::Fusions,
+    /// The MLP as one dataflow grid (the `mlp` fusion, where the shape allows): its buffers.
+    pub(super) mlp_flow: Option<MlpFlow>,
     /// The logit rows are the pass's rows in order: the head reads the hidden states in place.
     pub(super) logits_in_place: bool,
     pub(super) logits: u64,
@@ -327,8 +329,30 @@ impl Inner {
             }
             _ => None,
         };
+        let fuse = if toggles.fuse && linears != Linears::Cublas {
+            tune::get().fuse
+        } else {
+            tune::Fusions::NONE
+        };
+        let (hidden, layers) = (cfg.hidden_size, self.layers.len());
+        let mlp_flow = match mlp_flow_splits(hidden, cfg.intermediate_size, rows) {
+            Some(splits) if fuse.mlp => {
+                let sc = &mut self.scratch;
+                let g = &mut sc.generation;
+                // One set of counters per layer, each on its own 128-byte lines.
+                let stride = (MLP_FLOW_GROUPS_AT + hidden / GEMV_WARPS).next_multiple_of(32);
+                Some(MlpFlow {
+                    counters: ensure_zeroed(&mut sc.mlp_counters, ctx, layers * stride * 4, g)?,
+                    stride,
+                    partial: ensure(&mut sc.mlp_partial, ctx, splits * rows * hidden * 4, g)?,
+                    splits,
+                })
+            }
+            _ => None,
+        };
         Ok(Pass {
             mega,
+            mlp_flow,
             meta,
             meta_ptr,
             block_size: bs,
@@ -343,11 +367,7 @@ impl Inner {
             linears,
             pdl: toggles.pdl != Pdl::Off,
             pdl_all: toggles.pdl == Pdl::All && self.gpu.pdl_capable,
-            fuse: if toggles.fuse && linears != Linears::Cublas {
-                tune::get().fuse
-            } else {
-                tune::Fusions::NONE
-            },
+            fuse,
             logits_in_place,
             logits,
             pick,
@@ -701,6 +721,12 @@ impl Inner {
                         .l2_prefetch(&[prefix(&layer.down, prefetch.down_bytes)])?;
                 }
                 let xin = gemv_normed(layer.mlp_norm.ptr)?;
+                if let Some(flow) = &pass.mlp_flow {
+                    // gate/up and down in one grid (the down prefetch above still applies).
+                    self.gpu.mlp_flow(layer, xin, n, act, x, flow, li, pdl)?;
+                    FUSED_MLP.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
                 self.gpu.swiglu(&layer.gate, &layer.up, xin, n, act, pdl)?;
                 if let (true, Some(next)) = (prefetching && prefetch.next, self.layers.get(li + 1))
                 {

@@ -16,6 +16,9 @@
 //!   llama-1b's down projection two warps a row (8 KB of weights each, as gate/up has) instead
 //!   of four. Measured on an H100 (llama-1b batch-1 decode, seventeenth session): 2048 876 tok/s,
 //!   4096 852, 1024 796.
+//! - `TAPEDECK_MLP_DROWS=1`: the MLP dataflow grid (`TAPEDECK_FUSE=...,mlp`) gives each down
+//!   warp one output feature (4 KB of weights in flight, as the separate down GEMV) instead of
+//!   two (8 KB, as a gate/up warp; compiled with `MLP_FLOW_DROWS`). The same bits.
 //! - `TAPEDECK_GEMV_BLOCK=4`: the standalone GEMV and gate/up kernels run blocks of 4 warps
 //!   instead of 8 (compiled with `GEMV_BLOCK_WARPS=4`): twice the blocks, each half as long, so
 //!   a launch's last wave is finer and each SM refills its memory pipe a smaller block at a time.
@@ -60,9 +63,10 @@
 //!   12 blocks (the kernel lasts as long as its transfer, and the attention waits for it); 804
 //!   with `blocks:132` (it ends in 1 µs, but its traffic slows the q/k/v GEMV beside it, and the
 //!   GEMVs reading the prefetched rows are no faster).
-//! - `TAPEDECK_FUSE=rope,merge,head`: which fusions `fuse=on` applies (default `rope,head`):
+//! - `TAPEDECK_FUSE=rope,merge,head,mlp`: which fusions `fuse=on` applies (default `rope,head`):
 //!   RoPE + KV write in the q/k/v GEMV, the split merge in the o GEMV, the final RMSNorm in the
-//!   head's GEMV. All give the same bits; the knob times each one (llama-1b batch-1 decode on an
+//!   head's GEMV, gate/up and down as one dataflow grid (1-2 rows; `mlp_flow_N`). All give the
+//!   same bits; the knob times each one (llama-1b batch-1 decode on an
 //!   H100: `rope,head` 735 tok/s, `rope` 706–723, `rope,merge` 679, no fusion 710; on an H200:
 //!   `rope,head` 842–858, no fusion 834–846).
 //! - `TAPEDECK_KV_STORAGE=f32`: KV pools store f32 whatever `kv_dtype` says (the values rounded
@@ -90,6 +94,8 @@ pub(crate) struct Fusions {
     pub merge: bool,
     /// The final RMSNorm in the head GEMV's prologue.
     pub head: bool,
+    /// gate/up and down in one dataflow grid (`mlp_flow_N` in kernels/engine.cu).
+    pub mlp: bool,
 }
 
 impl Fusions {
@@ -98,12 +104,14 @@ impl Fusions {
         rope: false,
         merge: false,
         head: false,
+        mlp: false,
     };
     /// What `fuse=on` applies unless `TAPEDECK_FUSE` says otherwise.
     const DEFAULT: Fusions = Fusions {
         rope: true,
         merge: false,
         head: true,
+        mlp: false,
     };
 
     fn parse(list: Option<&str>) -> Fusions {
@@ -116,7 +124,10 @@ impl Fusions {
                 "rope" => f.rope = true,
                 "merge" => f.merge = true,
                 "head" => f.head = true,
-                other => tracing::warn!("TAPEDECK_FUSE: ignoring {other:?} (rope, merge, head)"),
+                "mlp" => f.mlp = true,
+                other => {
+                    tracing::warn!("TAPEDECK_FUSE: ignoring {other:?} (rope, merge, head, mlp)")
+                }
             }
         }
         f
@@ -212,6 +223,8 @@ pub(crate) struct Tuning {
     pub gemv_slice: usize,
     /// Warps per block of the standalone GEMV and gate/up kernels (4 or 8).
     pub gemv_block: usize,
+    /// Output features per down warp of the MLP dataflow grid (1 or 2).
+    pub mlp_drows: usize,
     /// Where the mma decode kernel's splits are merged.
     pub mma_merge: MmaMerge,
     /// KV pools store f32 for every `kv_dtype` (`TAPEDECK_KV_STORAGE=f32`).
@@ -294,8 +307,18 @@ impl Tuning {
             |n| n == 4 || n == 8,
             "4 or 8",
         );
+        let mlp_drows = number(
+            &var,
+            "TAPEDECK_MLP_DROWS",
+            2,
+            |n| n == 1 || n == 2,
+            "1 or 2",
+        );
         if gemv_grid > 0 {
             nvrtc_defines.push("-DGEMV_PERSIST=1".into());
+        }
+        if mlp_drows != 2 {
+            nvrtc_defines.push(format!("-DMLP_FLOW_DROWS={mlp_drows}"));
         }
         if gemv_block != 8 {
             nvrtc_defines.push(format!("-DGEMV_BLOCK_WARPS={gemv_block}"));
@@ -320,6 +343,7 @@ impl Tuning {
             gemv_stream,
             gemv_slice,
             gemv_block,
+            mlp_drows,
             mma_merge,
             kv_f32,
             pinned,
@@ -410,6 +434,7 @@ mod tests {
                 gemv_stream: 0,
                 gemv_slice: 2048,
                 gemv_block: 8,
+                mlp_drows: 2,
                 mma_merge: MmaMerge::Kernel,
                 kv_f32: false,
                 pinned: false,
@@ -455,7 +480,8 @@ mod tests {
             "the loop is compiled in"
         );
         let f = parse(&[("TAPEDECK_FUSE", "head, rope,nonsense")]).fuse;
-        assert_eq!((f.rope, f.merge, f.head), (true, false, true));
+        assert_eq!((f.rope, f.merge, f.head, f.mlp), (true, false, true, false));
+        assert!(parse(&[("TAPEDECK_FUSE", "mlp")]).fuse.mlp);
         assert_eq!(parse(&[("TAPEDECK_FUSE", "")]).fuse, Fusions::NONE);
         let traced = parse(&[("TAPEDECK_TRACE", "/tmp/t.csv")]);
         assert_eq!(
