@@ -417,13 +417,13 @@ struct Round {
     secs: f64,
 }
 
-/// Runs `reqs` through the scheduler together and measures them (see [`Round`]).
+/// Runs `reqs` through the scheduler together and measures them (see [`Round`]). They arrive
+/// as one batch ([`EngineHandle::submit_all`]), so every run of a round schedules the same
+/// passes: submitted one by one, the scheduler thread could start on the first few and prefill
+/// the rest in later, mixed passes, a different split each run.
 fn batch_round(handle: &EngineHandle, reqs: Vec<GenerateRequest>) -> Result<Round> {
     let start = Instant::now();
-    let mut streams = Vec::new();
-    for r in reqs {
-        streams.push(handle.submit(r)?);
-    }
+    let streams = handle.submit_all(reqs)?;
     let mut itl = Histogram::<u64>::new(3)?;
     let mut ttft = Histogram::<u64>::new(3)?;
     let mut tokens = 0u64;

@@ -144,6 +144,8 @@ impl SchedulerStats {
 
 enum Msg {
     Submit(Box<Pending>),
+    /// Requests that arrive together: queued in one go, so the next step sees all of them.
+    SubmitAll(Vec<Pending>),
     Stop,
 }
 
@@ -290,7 +292,46 @@ impl EngineHandle {
         }
     }
 
-    fn enqueue(&self, req: GenerateRequest, forced: Vec<u32>) -> Result<RequestStream> {
+    /// Queues several requests as one arrival: the scheduler takes them all before its next
+    /// step, so they are admitted together (as far as the KV budget allows) instead of in
+    /// whatever groups the scheduler thread happened to catch between steps. A benchmark round
+    /// that sends its requests "at once" is then the same batch every run. Each request is
+    /// checked as [`submit`](Self::submit) checks it; if any fails, none is queued.
+    pub fn submit_all(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<RequestStream>> {
+        let waiting = self.stats.waiting.load(Ordering::Relaxed);
+        if waiting + reqs.len() > self.max_waiting {
+            return Err(Error::Overloaded {
+                waiting,
+                limit: self.max_waiting,
+            });
+        }
+        for req in &reqs {
+            self.check(req)?;
+        }
+        let arrival = Instant::now();
+        let (mut pending, mut streams) = (Vec::new(), Vec::new());
+        for req in reqs {
+            let (tx, rx) = tmpsc::unbounded_channel();
+            pending.push(Pending {
+                req,
+                tx,
+                arrival,
+                forced: Vec::new(),
+            });
+            streams.push(RequestStream { rx });
+        }
+        let n = pending.len();
+        self.stats.waiting.fetch_add(n, Ordering::Relaxed);
+        if self.tx.send(Msg::SubmitAll(pending)).is_err() {
+            self.stats.waiting.fetch_sub(n, Ordering::Relaxed);
+            return Err(Error::SchedulerStopped);
+        }
+        Ok(streams)
+    }
+
+    /// Whether `req` can be queued at all: a prompt, within the context, in a KV type the pool
+    /// holds.
+    fn check(&self, req: &GenerateRequest) -> Result<()> {
         if req.prompt.is_empty() {
             return Err(Error::InvalidRequest("the prompt is empty".into()));
         }
@@ -301,6 +342,11 @@ impl EngineHandle {
                 context: self.engine.context_len(),
             });
         }
+        Ok(())
+    }
+
+    fn enqueue(&self, req: GenerateRequest, forced: Vec<u32>) -> Result<RequestStream> {
+        self.check(&req)?;
         let waiting = self.stats.waiting.load(Ordering::Relaxed);
         if waiting >= self.max_waiting {
             return Err(Error::Overloaded {
@@ -397,6 +443,7 @@ impl Core {
             if self.running.is_empty() && self.waiting.is_empty() {
                 match rx.recv() {
                     Ok(Msg::Submit(p)) => self.waiting.push_back(*p),
+                    Ok(Msg::SubmitAll(ps)) => self.waiting.extend(ps),
                     Ok(Msg::Stop) | Err(_) => return,
                 }
             }
@@ -424,6 +471,7 @@ impl Core {
         loop {
             match rx.try_recv() {
                 Ok(Msg::Submit(p)) => self.waiting.push_back(*p),
+                Ok(Msg::SubmitAll(ps)) => self.waiting.extend(ps),
                 Ok(Msg::Stop) => return false,
                 Err(mpsc::TryRecvError::Empty) => return true,
                 Err(mpsc::TryRecvError::Disconnected) => {

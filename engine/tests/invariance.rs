@@ -630,3 +630,40 @@ fn scheduler_running_ahead_changes_nothing() {
     );
     assert_eq!(ran_ahead(&plain), 0, "run-ahead was off");
 }
+
+#[test]
+fn requests_submitted_together_are_one_batch() {
+    // `submit_all` queues its requests as one arrival: the scheduler's first step prefills all
+    // of them in one pass and every later step decodes all of them, so 4 requests of 6 tokens
+    // take exactly 6 forward passes (one by one, the scheduler thread may start on the first
+    // before the others arrive). Each gets what it gets alone; a bad request refuses them all.
+    let e = engine(2);
+    let h = handle(e.clone());
+    let mut r = rng();
+    let reqs: Vec<GenerateRequest> = (0..4)
+        .map(|_| {
+            let n = r.random_range(10..30);
+            request(prompt(&e, n, &mut r), "")
+        })
+        .collect();
+    let before = h.stats().steps.load(Ordering::Relaxed);
+    let outs: Vec<GenerateOutput> = h
+        .submit_all(reqs.clone())
+        .unwrap()
+        .into_iter()
+        .map(collect)
+        .collect();
+    let passes = h.stats().steps.load(Ordering::Relaxed) - before;
+    assert_eq!(passes, 6, "4 requests of 6 tokens arriving together");
+    for (req, out) in reqs.iter().zip(&outs) {
+        same(&reference(&e, req), out).unwrap();
+    }
+    let mut bad = reqs.clone();
+    bad[2].prompt.clear();
+    assert!(h.submit_all(bad).is_err());
+    assert_eq!(
+        h.stats().waiting.load(Ordering::Relaxed),
+        0,
+        "nothing queued"
+    );
+}
