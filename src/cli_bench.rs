@@ -287,10 +287,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     .collect();
                 batch_round(&handle, reqs)
             };
-            // An unmeasured round first: the level's first passes compile kernels for new shapes
-            // and capture the graphs of its batch sizes, which a single request at concurrency 1
-            // would otherwise count as its TTFT.
-            batch(args.gen.min(4))?;
+            // An unmeasured round first, as long as the measured one: the level's first passes
+            // compile kernels for new shapes and capture graphs for each batch size and
+            // block-table bucket its contexts grow through, which the measured round would
+            // otherwise count in its TTFT and inter-token latencies.
+            batch(args.gen)?;
             // The device's share of the round (an accelerator only): what is not busy is the
             // host's scheduling, launching and streaming between passes.
             let busy_before = engine.backend().device_time();

@@ -2,7 +2,9 @@
 # For the twentieth session's first device call (~3 min, after `bash bench/cuda/build_for_device.sh`;
 # copy to .device/call.sh, carry [".device"]): `bench engine` concurrency rounds with the requests of a
 # round queued as one arrival (EngineHandle::submit_all): call 1 saw c=16 at 6871 tok/s with a
-# 23 ms TTFT p50 and 18 ms ITL p99 (8717, 4.3 and 2.6 in the eighteenth session). Then the
+# 23 ms TTFT p50 and 18 ms ITL p99 (8717, 4.3 and 2.6 in the eighteenth session); the unmeasured
+# round before each level is now as long as the measured one (graphs for every block-table bucket
+# the contexts grow through are captured before timing). Then the
 # megakernel and run-ahead tests (ld_acquire_u32 moved into engine.cu).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
