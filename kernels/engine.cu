@@ -725,6 +725,84 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLO
     gemv_kernel<4>(GEMV_ARGS(32 * GEMV_BLOCK_WARPS));
 }
 
+// gemv_kernel with each warp on F output features (GEMV_PERSIST not taken): feature j of a warp
+// is row slot (warp / splits) + j * per_block of its block's group, its weights prefetched with
+// the others' before the PDL wait, so a warp keeps F times the bytes in flight. Every feature is
+// summed as gemv_kernel sums it (its slices in slice order): the same bits. For the down
+// projection (4 KB a warp against gate/up's 8 KB; Nsight Compute and the kernel trace show it
+// streaming at 2.35 TB/s where gate/up holds 2.9), TAPEDECK_GEMV_FEATURES=2.
+// grid (ceil((out_0 + out_1 + out_2) * splits / (GEMV_WARPS * F))), block 32 * GEMV_WARPS.
+template <int N, int F, typename Input>
+__device__ __forceinline__ void gemv_multi_kernel(Input input, int in, int splits, int add,
+                                                  const bf16_t* w0, const float* b0, float* y0,
+                                                  int out0, const bf16_t* w1, const float* b1,
+                                                  float* y1, int out1, const bf16_t* w2,
+                                                  const float* b2, float* y2, int out2) {
+    __shared__ float slice_sums[GEMV_WARPS][F][GEMV_MAX_ROWS];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int per_block = GEMV_WARPS / splits, part = warp % splits;
+    int len = in / splits, k0 = part * len;
+    GemvTarget t[F];
+    uint4 pre[F][GEMV_PRE];
+#pragma unroll
+    for (int j = 0; j < F; j++) {
+        int row = blockIdx.x * per_block * F + j * per_block + warp / splits;
+        t[j] = gemv_target(row, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, y2, out2);
+        gemv_prefetch(t[j].w + (t[j].live ? (size_t)t[j].row * in + k0 : 0), len, lane,
+                      t[j].live, pre[j]);
+    }
+    pdl_launch_dependents();
+    pdl_wait();
+    int x_f32;
+    const void* x = input(N, in, &x_f32);
+    float acc[F][N];
+#pragma unroll
+    for (int j = 0; j < F; j++) {
+#pragma unroll
+        for (int r = 0; r < N; r++) acc[j][r] = 0.0f;
+        if (t[j].live) {
+            const bf16_t* w = t[j].w + (size_t)t[j].row * in + k0;
+            if (x_f32)
+                gemv_row<N, true>(w, pre[j], x, in, k0, len, lane, acc[j]);
+            else
+                gemv_row<N, false>(w, pre[j], x, in, k0, len, lane, acc[j]);
+        }
+    }
+    if (splits > 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int j = 0; j < F; j++) {
+#pragma unroll
+                for (int r = 0; r < N; r++) slice_sums[warp][j][r] = acc[j][r];
+            }
+        }
+        __syncthreads();
+        if (part == 0) {
+#pragma unroll
+            for (int j = 0; j < F; j++) {
+#pragma unroll
+                for (int r = 0; r < N; r++) {
+                    for (int s = 1; s < splits; s++) acc[j][r] += slice_sums[warp + s][j][r];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < F; j++) {
+        if (part == 0 && t[j].live)
+            gemv_store<N>(acc[j], t[j].b, t[j].y, t[j].out, t[j].row, add, lane);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_f2_1(GEMV_PARAMS) {
+    TD_SCOPE("gemv_bf16_f2_1");
+    gemv_multi_kernel<1, 2>(GEMV_ARGS(32 * GEMV_WARPS));
+}
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_bf16_f2_2(GEMV_PARAMS) {
+    TD_SCOPE("gemv_bf16_f2_2");
+    gemv_multi_kernel<2, 2>(GEMV_ARGS(32 * GEMV_WARPS));
+}
+
 // Output feature `row` of the fused gate/up kernel from its two dot products (lane r writes input
 // row r): shared with the persistent decode kernel (decode_step.cu).
 template <int N>
