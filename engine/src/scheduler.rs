@@ -143,9 +143,9 @@ impl SchedulerStats {
 }
 
 enum Msg {
-    Submit(Box<Pending>),
-    /// Requests that arrive together: queued in one go, so the next step sees all of them.
-    SubmitAll(Vec<Pending>),
+    /// Requests that arrive together (one, or a batch from `submit_all`): queued in one go, so
+    /// the next step sees all of them.
+    Submit(Vec<Pending>),
     Stop,
 }
 
@@ -298,35 +298,7 @@ impl EngineHandle {
     /// that sends its requests "at once" is then the same batch every run. Each request is
     /// checked as [`submit`](Self::submit) checks it; if any fails, none is queued.
     pub fn submit_all(&self, reqs: Vec<GenerateRequest>) -> Result<Vec<RequestStream>> {
-        let waiting = self.stats.waiting.load(Ordering::Relaxed);
-        if waiting + reqs.len() > self.max_waiting {
-            return Err(Error::Overloaded {
-                waiting,
-                limit: self.max_waiting,
-            });
-        }
-        for req in &reqs {
-            self.check(req)?;
-        }
-        let arrival = Instant::now();
-        let (mut pending, mut streams) = (Vec::new(), Vec::new());
-        for req in reqs {
-            let (tx, rx) = tmpsc::unbounded_channel();
-            pending.push(Pending {
-                req,
-                tx,
-                arrival,
-                forced: Vec::new(),
-            });
-            streams.push(RequestStream { rx });
-        }
-        let n = pending.len();
-        self.stats.waiting.fetch_add(n, Ordering::Relaxed);
-        if self.tx.send(Msg::SubmitAll(pending)).is_err() {
-            self.stats.waiting.fetch_sub(n, Ordering::Relaxed);
-            return Err(Error::SchedulerStopped);
-        }
-        Ok(streams)
+        self.queue(reqs.into_iter().map(|r| (r, Vec::new())).collect())
     }
 
     /// Whether `req` can be queued at all: a prompt, within the context, in a KV type the pool
@@ -346,27 +318,43 @@ impl EngineHandle {
     }
 
     fn enqueue(&self, req: GenerateRequest, forced: Vec<u32>) -> Result<RequestStream> {
-        self.check(&req)?;
+        self.queue(vec![(req, forced)])?
+            .pop()
+            .ok_or(Error::SchedulerStopped)
+    }
+
+    /// Checks every request (with its forced tokens, empty to generate), then queues them all as
+    /// one message; a refused request or a full queue refuses the whole batch.
+    fn queue(&self, batch: Vec<(GenerateRequest, Vec<u32>)>) -> Result<Vec<RequestStream>> {
+        for (req, _) in &batch {
+            self.check(req)?;
+        }
         let waiting = self.stats.waiting.load(Ordering::Relaxed);
-        if waiting >= self.max_waiting {
+        if waiting + batch.len() > self.max_waiting {
             return Err(Error::Overloaded {
                 waiting,
                 limit: self.max_waiting,
             });
         }
-        let (tx, rx) = tmpsc::unbounded_channel();
-        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
-        let msg = Msg::Submit(Box::new(Pending {
-            req,
-            tx,
-            arrival: Instant::now(),
-            forced,
-        }));
-        if self.tx.send(msg).is_err() {
-            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+        let arrival = Instant::now();
+        let (mut pending, mut streams) = (Vec::new(), Vec::new());
+        for (req, forced) in batch {
+            let (tx, rx) = tmpsc::unbounded_channel();
+            pending.push(Pending {
+                req,
+                tx,
+                arrival,
+                forced,
+            });
+            streams.push(RequestStream { rx });
+        }
+        let n = pending.len();
+        self.stats.waiting.fetch_add(n, Ordering::Relaxed);
+        if self.tx.send(Msg::Submit(pending)).is_err() {
+            self.stats.waiting.fetch_sub(n, Ordering::Relaxed);
             return Err(Error::SchedulerStopped);
         }
-        Ok(RequestStream { rx })
+        Ok(streams)
     }
 
     /// Runs a request to completion on the calling thread's behalf (blocking), calling `on_token`
@@ -442,8 +430,7 @@ impl Core {
             // Block when idle; otherwise take whatever has arrived.
             if self.running.is_empty() && self.waiting.is_empty() {
                 match rx.recv() {
-                    Ok(Msg::Submit(p)) => self.waiting.push_back(*p),
-                    Ok(Msg::SubmitAll(ps)) => self.waiting.extend(ps),
+                    Ok(Msg::Submit(ps)) => self.waiting.extend(ps),
                     Ok(Msg::Stop) | Err(_) => return,
                 }
             }
@@ -470,8 +457,7 @@ impl Core {
     fn poll(&mut self, rx: &mpsc::Receiver<Msg>) -> bool {
         loop {
             match rx.try_recv() {
-                Ok(Msg::Submit(p)) => self.waiting.push_back(*p),
-                Ok(Msg::SubmitAll(ps)) => self.waiting.extend(ps),
+                Ok(Msg::Submit(ps)) => self.waiting.extend(ps),
                 Ok(Msg::Stop) => return false,
                 Err(mpsc::TryRecvError::Empty) => return true,
                 Err(mpsc::TryRecvError::Disconnected) => {

@@ -352,18 +352,18 @@ impl Gpu {
             GemvIn::Merged(_) => None,
             _ => self.stream_grid(n, inp / splits),
         };
-        // Two features a warp (`TAPEDECK_GEMV_FEATURES=2`) for split launches of 1-2 rows.
-        let features = match x {
-            GemvIn::Merged(_) => 1,
-            _ if stream.is_none()
-                && splits > 1
-                && n <= 2
-                && block == GEMV_WARPS
-                && tune::get().gemv_grid == 0 =>
-            {
-                self.gemv_features.load(Ordering::Relaxed)
-            }
-            _ => 1,
+        // Two features a warp (`TAPEDECK_GEMV_FEATURES=2`) for split launches of 1-2 rows
+        // (not the merging entry point).
+        let two_ok = !matches!(x, GemvIn::Merged(_))
+            && stream.is_none()
+            && splits > 1
+            && n <= 2
+            && block == GEMV_WARPS
+            && tune::get().gemv_grid == 0;
+        let features = if two_ok {
+            self.gemv_features.load(Ordering::Relaxed)
+        } else {
+            1
         };
         let kernels = match (stream, features) {
             (Some(_), _) => std::slice::from_ref(&self.k.gemv_stream),

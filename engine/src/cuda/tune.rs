@@ -320,9 +320,6 @@ impl Tuning {
             |n| n == 1 || n == 2,
             "1 or 2",
         );
-        if gemv_grid > 0 {
-            nvrtc_defines.push("-DGEMV_PERSIST=1".into());
-        }
         let gemv_features = number(
             &var,
             "TAPEDECK_GEMV_FEATURES",
@@ -330,6 +327,9 @@ impl Tuning {
             |n| n == 1 || n == 2,
             "1 or 2",
         );
+        if gemv_grid > 0 {
+            nvrtc_defines.push("-DGEMV_PERSIST=1".into());
+        }
         if mlp_drows != 2 {
             nvrtc_defines.push(format!("-DMLP_FLOW_DROWS={mlp_drows}"));
         }
