@@ -2,8 +2,7 @@
 """Runs the streaming GEMV kernels of kernels/engine.cu on the CPU against the default ones.
 
 `gemv_stream_bf16_1` and `gemv_stream_swiglu_1` (TAPEDECK_GEMV_STREAM) promise the bits of
-`gemv_bf16_1` and `gemv_bf16_swiglu_1` on any grid, and so does `gemv_bf16_f2_1`
-(TAPEDECK_GEMV_FEATURES=2: two output features a warp) on its own grid: each warp streams its output features through
+`gemv_bf16_1` and `gemv_bf16_swiglu_1` on any grid: each warp streams its output features through
 a ring of register buffers, summing every slice as gemv_row does and adding the slices in order.
 This check runs both kernels' code as ci/cuda_host.py runs kernel code (blocks of 256 std::threads,
 barriers for __syncthreads and the shuffles), on the shapes the engine gives them: one row; q/k/v as
@@ -61,8 +60,6 @@ code = "\n".join(
         "typedef GemvInputOf<32 * GEMV_WARPS> GemvInput;",
         cut(eng, "struct GemvTarget {", "gemv_target("),
         cut(eng, "template <int N, typename Input>\n__device__ __forceinline__ void gemv_kernel", "void gemv_kernel("),
-        cut(eng, "template <int N, int F, typename Input>\n__device__ __forceinline__ void gemv_multi_kernel",
-            "void gemv_multi_kernel("),
         define("GEMV_PARAMS"),
         define("GEMV_ARGS"),
         define("SWIGLU_PARAMS"),
@@ -156,22 +153,6 @@ int main() {
     if (!(worst <= (input == 2 ? 1e-4 : 1e-5))) {
       printf("FAIL default gemv %dx%d input %d add %d: error %.2e of sum |terms|\n", total, in, input, add, worst);
       failures++;
-    }
-    {
-      // Two output features a warp (TAPEDECK_GEMV_FEATURES=2): its own grid, the same bits.
-      std::vector<std::vector<float>> got = start;
-      auto a0 = args(got, 0), a1 = args(got, 1), a2 = args(got, 2);
-      int blocks = (total * sh.splits + 2 * GEMV_WARPS - 1) / (2 * GEMV_WARPS);
-      launch(dim3{(unsigned)blocks, 1, 1}, 32 * GEMV_WARPS, [&] {
-        gemv_multi_kernel<1, 2>(gin, in, sh.splits, add, a0.w, a0.b, a0.y, a0.out, a1.w, a1.b, a1.y,
-                                a1.out, a2.w, a2.b, a2.y, a2.out);
-      });
-      cases++;
-      for (int j = 0; j < nm; ++j)
-        if (!same_bits(got[j], want[j])) {
-          printf("FAIL two-feature gemv %dx%d (matrix %d) input %d add %d\n", total, in, j, input, add);
-          failures++;
-        }
     }
     for (unsigned grid = 1; grid <= 5; grid += 2) {
       std::vector<std::vector<float>> got = start;

@@ -70,6 +70,23 @@
 #ifndef DA_TRIGGER_AFTER_MERGE
 #define DA_TRIGGER_AFTER_MERGE 0
 #endif
+// 1: the mma kernels (not the persistent decode kernel) stage their first KV tiles before they
+// wait for the kernel before them (griddepcontrol.wait). Launched with PDL (pdl=all), a block
+// then fetches its split's cached positions while the q/k/v GEMV still runs: only q and the
+// newest position (which that GEMV writes) are read after the wait, the newest row into the
+// staged tile by hand. Launched normally, the wait is a no-op and nothing changes.
+#ifndef DA_KV_EARLY
+#define DA_KV_EARLY 0
+#endif
+// 1: decode_attn_combine loads every split's (m, l, O) of its head at once (up to DA_COMBINE_R
+// splits a thread: 4 * 256 / head_dim splits in all), instead of the maximum first and then the
+// weighted sums: one round trip to L2 after the mma kernel ends instead of three.
+#ifndef DA_COMBINE_FAST
+#define DA_COMBINE_FAST 0
+#endif
+#ifndef DA_COMBINE_R
+#define DA_COMBINE_R 4
+#endif
 
 namespace da {
 
@@ -209,6 +226,60 @@ __device__ __forceinline__ void issue_tile(unsigned sdst, const T* __restrict__ 
     cp_async4(sdst + 2 * G::MAT + 4 * lane, (lane < 16 ? ks : vs) + si, ok ? 4 : 0);
   }
 }
+
+// 16 bytes through L2 only (not L1, not the read-only path): the newest KV row, written by the
+// kernel this one waited for, and possibly sharing a line that L1 cached before the wait.
+__device__ __forceinline__ uint4 ld_cg_u4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+__device__ __forceinline__ float ld_cg_f32(const float* p) {
+  float r;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
+}
+
+// One KV row (K and V, and an FP8 pool's two scales) held in registers, for a tile that was
+// staged before the row was written (DA_KV_EARLY): lane l holds the row's 16-byte chunks l and
+// l + 32 of the 2 * CPR (K's, then V's), lanes 0 and 1 the K and V scales.
+template <typename T, int D>
+struct RowFix {
+  uint4 ch[2];
+  float sc;
+  // Loads row `rowelem` (element offset of the row in the pool) of both pools.
+  __device__ __forceinline__ void load(const T* kp, const T* vp, const float* ks, const float* vs,
+                                       long long rowelem, int lane) {
+    typedef Geo<T, D> G;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int idx = lane + 32 * u;
+      if (idx < 2 * G::CPR) {
+        const T* src = idx < G::CPR ? kp : vp;
+        ch[u] = ld_cg_u4(src + rowelem + (long long)((idx % G::CPR) * G::EPC));
+      }
+    }
+    if (G::ES == 1 && lane < 2) sc = ld_cg_f32((lane == 0 ? ks : vs) + rowelem / D);
+  }
+  // Writes it as row r of the tile issue_tile staged at `sdst` (before any in-place conversion).
+  __device__ __forceinline__ void store(unsigned char* sdst, int r, int lane) const {
+    typedef Geo<T, D> G;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int idx = lane + 32 * u;
+      if (idx < 2 * G::CPR) {
+        const int cc = idx % G::CPR;
+        const unsigned so = (G::ES == 2)   ? swz<D>(r, cc)
+                            : (G::ES == 1) ? (unsigned)(G::RAW + r * D + (cc << 4))
+                                           : (unsigned)(r * (4 * D) + (cc << 4));
+        *reinterpret_cast<uint4*>(sdst + (idx < G::CPR ? 0 : G::MAT) + so) = ch[u];
+      }
+    }
+    if (G::ES == 1 && lane < 2) *reinterpret_cast<float*>(sdst + 2 * G::MAT + 4 * (16 * lane + r)) = sc;
+  }
+};
 
 // The value of an FP8 E4M3 code times its row's scale, as kernels/engine.cu reads the pool
 // (fp8_e4m3_value(c) * scale, the same f32 bits): 0x7f and 0xff are NaN, no infinities.
@@ -370,8 +441,10 @@ __device__ __forceinline__ float2 load_f2_cg(const float* p) {
 
 // Block (kvh, seq, split) of the mma kernels, by threads 0..127 of the block. NAMED: the block is
 // wider (the persistent decode kernel's 256 threads, the rest elsewhere), so the epilogue meets
-// at named barrier 1 of 128 threads instead of __syncthreads.
-template <typename T, int D, bool NAMED>
+// at named barrier 1 of 128 threads instead of __syncthreads. EARLY (DA_KV_EARLY): the block
+// waits for the kernel before it (griddepcontrol.wait) itself, after staging its first tiles
+// without the newest position; it may return before waiting, having written nothing.
+template <typename T, int D, bool NAMED, bool EARLY = false>
 __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* __restrict__ q,
                                          const T* __restrict__ kp, const T* __restrict__ vp,
                                          const int* __restrict__ block_tables, const int* __restrict__ context_lens,
@@ -401,7 +474,7 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
 
   // Q fragments (A operand, rows = the group's query heads, padded with zeros to 16).
   unsigned qf[D / 16][4];
-  {
+  auto load_q = [&]() {
     const float* qh = q + ((size_t)seq * nh + (size_t)kvh * group) * D;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -421,7 +494,8 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
       qf[kk][2] = pack_bf16x2_rne(a8.x, a8.y);
       qf[kk][3] = pack_bf16x2_rne(b8.x, b8.y);
     }
-  }
+  };
+  if (!EARLY) load_q();
 
   float o[D / 8][4];
 #pragma unroll
@@ -439,6 +513,9 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
   int bt_odd = load_bt_round(btrow, 1, my_n, warp, lane, start, bs);
 
   int nx = 0;  // next local tile to issue
+  // Positions staged from the pool: before the wait, not the newest (the kernel waited for
+  // writes it); its row is put into the staged tile afterwards (`fix`).
+  int lim = EARLY ? len - 1 : len;
 #define DA_ISSUE_NEXT(SLOT)                                                                  \
   {                                                                                          \
     const int slot_ = (SLOT);                                                                \
@@ -452,7 +529,7 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
     const int blk_ = pos0_ / bs;                                                             \
     const int off_ = pos0_ - blk_ * bs;                                                      \
     const long long rowbase_ = (((long long)phys_ * bs + off_) * nkv + kvh) * (long long)D;  \
-    issue_tile<T, D>(wreg_s + slot_ * G::STAGE, kp, vp, ks, vs, rowbase_, rowstride, len - pos0_, lane); \
+    issue_tile<T, D>(wreg_s + slot_ * G::STAGE, kp, vp, ks, vs, rowbase_, rowstride, lim - pos0_, lane); \
     ++nx;                                                                                    \
   }
 
@@ -461,12 +538,30 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
     if (nx < my_n) DA_ISSUE_NEXT(i);
     cp_async_commit();
   }
+  RowFix<T, D> fix;
+  int fix_i = -1;  // the loop step whose tile lacks the newest row
+  if (EARLY) {
+    da::pdl_wait_only();
+    load_q();
+    const int tn = (len - 1 - start) >> 4;  // the newest position's local tile, if end == len
+    if (end == len && tn % DA_WARPS == warp && tn / DA_WARPS < G::STAGES - 1) {
+      fix_i = tn / DA_WARPS;
+      const int newest = len - 1;
+      const long long rowelem = (((long long)btrow[newest / bs] * bs + newest % bs) * nkv + kvh) * (long long)D;
+      fix.load(kp, vp, ks, vs, rowelem, lane);
+    }
+    lim = len;
+  }
   for (int i = 0; i < my_n; ++i) {
     if (nx < my_n) DA_ISSUE_NEXT(nx % G::STAGES);
     cp_async_commit();
     cp_async_wait<G::STAGES - 1>();
     __syncwarp();
     const int slot = i % G::STAGES;
+    if (EARLY && i == fix_i) {
+      fix.store(wreg + slot * G::STAGE, (len - 1 - start) & 15, lane);
+      __syncwarp();
+    }
     if (G::ES == 4) {
       convert_f32_tile_inplace<D>(wreg + slot * G::STAGE, lane);
       convert_f32_tile_inplace<D>(wreg + slot * G::STAGE + G::MAT, lane);
@@ -635,27 +730,27 @@ __device__ __forceinline__ void combine_head(float* out, const float* partial_ou
 #ifndef MG_R
 #define MG_R 2
 #endif
-template <int PT>
+template <int PT, int U = MG_U, int R = MG_R>
 __device__ __forceinline__ bool combine_group_fast(float* out, const float* partial_out, const float* partial_ml,
                                                    int ns, int num_heads, int head_dim, int max_splits, int head0,
                                                    int group, int seq, float* smem) {
   constexpr int VT = DA_COMBINE_THREADS, W = PT / 32;
   // Heads the virtual threads cover; thread tid's u-th virtual thread tid + u * PT belongs to head
   // u * PT / VT whatever tid is (PT divides VT).
-  constexpr int G = MG_U * PT / VT;
+  constexpr int G = U * PT / VT;
   static_assert(VT % PT == 0 && G >= 1, "PT must divide the virtual block");
   __shared__ float red[G * W];
   if (!smem || head_dim <= 0 || VT % head_dim != 0 || group > G) return false;
   const int parts = VT / head_dim;
-  if (ns > MG_R * parts) return false;
+  if (ns > R * parts) return false;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  float m[MG_U][MG_R], l[MG_U][MG_R], o[MG_U][MG_R];
+  float m[U][R], l[U][R], o[U][R];
 #pragma unroll
-  for (int u = 0; u < MG_U; u++) {
+  for (int u = 0; u < U; u++) {
     const int vt = tid + u * PT, j = u * PT / VT, r = vt % VT, part = r / head_dim, d = r % head_dim;
     const size_t sh = (size_t)seq * num_heads + head0 + j;
 #pragma unroll
-    for (int q = 0; q < MG_R; q++) {
+    for (int q = 0; q < R; q++) {
       const int s = part + q * parts;
       const bool ok = j < group && s < ns;
       m[u][q] = ok ? partial_ml[(sh * max_splits + s) * 2] : da::neg_inf();
@@ -668,19 +763,19 @@ __device__ __forceinline__ bool combine_group_fast(float* out, const float* part
   for (int j = 0; j < G; j++) {
     float M = da::neg_inf();
 #pragma unroll
-    for (int u = 0; u < MG_U; u++)
+    for (int u = 0; u < U; u++)
       if (u * PT / VT == j)
 #pragma unroll
-        for (int q = 0; q < MG_R; q++) M = fmaxf(M, m[u][q]);
+        for (int q = 0; q < R; q++) M = fmaxf(M, m[u][q]);
 #pragma unroll
     for (int x = 16; x > 0; x >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, x));
     if (lane == 0) red[j * W + warp] = M;
   }
   __syncthreads();
   float* acc_s = smem;
-  float* wsum_s = smem + MG_U * PT;
+  float* wsum_s = smem + U * PT;
 #pragma unroll
-  for (int u = 0; u < MG_U; u++) {
+  for (int u = 0; u < U; u++) {
     const int vt = tid + u * PT, j = u * PT / VT;
     float M = red[j * W];
 #pragma unroll
@@ -688,7 +783,7 @@ __device__ __forceinline__ bool combine_group_fast(float* out, const float* part
     const int part = (vt % VT) / head_dim;
     float acc = 0.f, wsum = 0.f;
 #pragma unroll
-    for (int q = 0; q < MG_R; q++) {
+    for (int q = 0; q < R; q++) {
       if (j < group && part + q * parts < ns) {
         const float wt = da::ex2(m[u][q] - M) * l[u][q];
         acc += wt * o[u][q];
@@ -770,10 +865,10 @@ __device__ __forceinline__ bool mma_block(float* out, const float* q, const T* k
                                           int split_len, int max_splits, float scale, unsigned char* smem, int kvh,
                                           int seq, int split, const float* k_scale, const float* v_scale) {
   if (head_dim == 64)
-    da::mma_impl<T, 64, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh,
+    da::mma_impl<T, 64, false, DA_KV_EARLY != 0>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh,
                                nkv, bs, split_len, max_splits, scale, smem, kvh, seq, split, k_scale, v_scale);
   else if (head_dim == 128)
-    da::mma_impl<T, 128, false>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps,
+    da::mma_impl<T, 128, false, DA_KV_EARLY != 0>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps,
                                 nh, nkv, bs, split_len, max_splits, scale, smem, kvh, seq, split, k_scale, v_scale);
   else
     return false;
@@ -792,11 +887,14 @@ __device__ __forceinline__ void mma_entry(float* out, const float* q, const T* k
                                           const float* k_scale, const float* v_scale) {
   extern __shared__ __align__(16) unsigned char da_smem[];
   if (!DA_TRIGGER_LATE) da::pdl_trigger();
-  da::pdl_wait_only();
+  if (!DA_KV_EARLY) da::pdl_wait_only();
   const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
-  if (!mma_block<T>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh, nkv, bs,
-                    head_dim, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale, v_scale))
-    return;
+  const bool ran = mma_block<T>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps,
+                                nh, nkv, bs, head_dim, split_len, max_splits, scale, da_smem, kvh, seq, split,
+                                k_scale, v_scale);
+  // DA_KV_EARLY: the attention may have returned before its wait; nothing below writes before it.
+  if (DA_KV_EARLY) da::pdl_wait_only();
+  if (!ran) return;
   // DA_TRIGGER_AFTER_MERGE: with `done`, no early trigger at all (a block then triggers as it
   // exits, the merging block after its merge), so the successor's weight prefetch does not
   // compete with the merge's reads.
@@ -841,12 +939,15 @@ __device__ __forceinline__ void mma_cluster_entry(float* out, const float* q, co
 #if __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) unsigned char da_smem[];
   if (!DA_TRIGGER_LATE) da::pdl_trigger();
-  da::pdl_wait_only();
+  if (!DA_KV_EARLY) da::pdl_wait_only();
   const int kvh = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
   // head_dim is the same for the whole grid, so every block of a cluster returns here or none.
-  if (!mma_block<T>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh, nkv, bs,
-                    head_dim, split_len, max_splits, scale, da_smem, kvh, seq, split, k_scale, v_scale))
-    return;
+  const bool ran = mma_block<T>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps,
+                                nh, nkv, bs, head_dim, split_len, max_splits, scale, da_smem, kvh, seq, split,
+                                k_scale, v_scale);
+  // DA_KV_EARLY: the attention may have returned before its wait; nothing below writes before it.
+  if (DA_KV_EARLY) da::pdl_wait_only();
+  if (!ran) return;
   // DA_TRIGGER_AFTER_MERGE: each block triggers as it exits, split 0's after its merge.
   if (DA_TRIGGER_LATE && !DA_TRIGGER_AFTER_MERGE) da::pdl_trigger();
   // Also a block barrier: the attention's shared memory is free for the merge after it.
@@ -938,7 +1039,24 @@ decode_attn_combine(float* out, const float* partial_out, const float* partial_m
   TD_SCOPE("decode_attn_combine");
   // Let the next kernel (the o projection's GEMV, launched with PDL) start fetching its weights;
   // wait for the mma kernel when this one was launched with PDL too (pdl=all).
+#if DA_COMBINE_FAST
+  // The context length is the pass's index data, uploaded before it: read before the wait. Then
+  // every split's (m, l, O) in one round of loads (combine_group_fast, the same bits).
+  da::pdl_trigger();
+  const int h = blockIdx.x, seq = blockIdx.y;
+  const int len = h < num_heads && split_len > 0 ? context_lens[seq] : 0;
+  da::pdl_wait_only();
+  __shared__ float merge_s[2 * DA_COMBINE_THREADS];
+  if (len > 0) {
+    const int ns = min((len + split_len - 1) / split_len, max_splits);
+    if (ns <= 1) return;  // written by the mma kernel
+    if (combine_group_fast<DA_COMBINE_THREADS, 1, DA_COMBINE_R>(out, partial_out, partial_ml, ns, num_heads,
+                                                                 head_dim, max_splits, h, 1, seq, merge_s))
+      return;
+  }
+#else
   da::pdl_start();
+#endif
   combine_head(out, partial_out, partial_ml, context_lens, num_heads, head_dim, split_len, max_splits, blockIdx.x,
                blockIdx.y);
 }

@@ -232,7 +232,6 @@ fn cuda_gemv_kernel_matches_a_float64_reference() {
     use tapedeck_engine::cuda::check::{gemv, GemvCase};
     let mut r = rng();
     let mut streamed = 0;
-    let mut two_features = 0;
     // (out, in, row counts): Llama-3.2-1B's shapes, a tiny one, random ones (short and long).
     let all: Vec<usize> = (1..=4).collect();
     let mut cases = vec![
@@ -280,19 +279,6 @@ fn cuda_gemv_kernel_matches_a_float64_reference() {
             };
             let run = gemv(0, &case, 0).unwrap();
             streamed += same_bits_as_streamed(&run, &format!("gemv {out}x{inp} n {n}"));
-            // Two features a warp (TAPEDECK_GEMV_FEATURES=2) sums every feature as one does.
-            if let Some((y2, _)) = &run.features2 {
-                let differ = y2
-                    .iter()
-                    .zip(&run.ours)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
-                assert_eq!(
-                    differ, 0,
-                    "gemv {out}x{inp} n {n}: two features a warp differ in {differ} outputs"
-                );
-                two_features += 1;
-            }
             // What the products see: x, or x normalized (in float64, then rounded to bf16 by
             // dot64; a rounding that lands the other way than the kernel's f32 norm is a rare
             // one-ulp flip of one input, hence the looser bound against float64 below).
@@ -357,11 +343,6 @@ fn cuda_gemv_kernel_matches_a_float64_reference() {
     assert!(
         streamed >= 4 * tapedeck_engine::cuda::check::STREAM_GRIDS.len(),
         "the streaming kernels ran on {streamed} cases"
-    );
-    // Two features a warp: 2048x8192 at one row, and the long random rows at 1-2 rows.
-    assert!(
-        two_features >= 5,
-        "two features a warp ran on {two_features} cases"
     );
 }
 

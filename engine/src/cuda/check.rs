@@ -18,7 +18,7 @@ use super::linears::{
     bf16_bits, gemv_splits, DevLinear, GemvIn, GEMV_MAX_ROWS, GEMV_NORM_SMEM, GEMV_SLICE,
 };
 use super::memory::DevBuf;
-use super::{dev_err, kernels, probe, timing_event, tune, Gpu, Precision};
+use super::{dev_err, kernels, probe, timing_event, Gpu, Precision};
 use crate::error::{Error, Result};
 
 /// One few-token linear layer: `y (n, out) = bf16(x) · bf16(W)ᵀ (+ b)`, added to `residual`
@@ -62,9 +62,6 @@ pub struct KernelRun {
     /// (blocks per SM, output, mean microseconds). Empty where they do not apply (more than one
     /// row, slices longer than 2048 inputs).
     pub stream: Vec<(usize, Vec<f32>, f64)>,
-    /// The GEMV with two output features a warp (`TAPEDECK_GEMV_FEATURES=2`): output and mean
-    /// microseconds, where it applies (1-2 rows split over several warps); `None` elsewhere.
-    pub features2: Option<(Vec<f32>, f64)>,
 }
 
 /// Blocks per SM the streaming GEMV kernels are run with by [`gemv`] and [`swiglu`].
@@ -252,20 +249,6 @@ pub fn gemv(ordinal: usize, case: &GemvCase<'_>, reps: usize) -> Result<KernelRu
     let cublas_y = download(&gpu, &y, n * out)?;
     let ours_us = time(&ctx, &gpu.stream, reps, ours)?;
     let cublas_us = time(&ctx, &gpu.stream, reps, theirs)?;
-    // Two features a warp, where a launch takes them (the same kernel runs otherwise).
-    let features2 = if n <= 2 && gemv_splits(inp, n, tune::get().gemv_slice) > 1 {
-        let before = gpu.gemv_features.swap(2, Ordering::Relaxed);
-        let run = (|| -> Result<_> {
-            upload(&gpu, &y, &start)?;
-            ours(0)?;
-            let y2 = download(&gpu, &y, n * out)?;
-            Ok((y2, time(&ctx, &gpu.stream, reps, ours)?))
-        })();
-        gpu.gemv_features.store(before, Ordering::Relaxed);
-        Some(run?)
-    } else {
-        None
-    };
     let slice = inp / gemv_splits(inp, n, GEMV_SLICE);
     let stream = stream_runs(
         &ctx,
@@ -286,7 +269,6 @@ pub fn gemv(ordinal: usize, case: &GemvCase<'_>, reps: usize) -> Result<KernelRu
         ours_us,
         cublas_us,
         stream,
-        features2,
     })
 }
 
@@ -390,7 +372,6 @@ pub fn swiglu(ordinal: usize, case: &SwigluCase<'_>, reps: usize) -> Result<Kern
         ours_us,
         cublas_us,
         stream,
-        features2: None,
     })
 }
 

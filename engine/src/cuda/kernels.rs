@@ -47,8 +47,6 @@ pub const ENGINE: KernelSource = KernelSource {
         "gemv_bf16_2",
         "gemv_bf16_3",
         "gemv_bf16_4",
-        "gemv_bf16_f2_1",
-        "gemv_bf16_f2_2",
         "gemv_bf16_swiglu_1",
         "gemv_bf16_swiglu_2",
         "gemv_bf16_swiglu_3",

@@ -44,8 +44,6 @@ pub(super) struct Kernels {
     pub(super) f32_to_bf16: CudaFunction,
     /// The GEMV kernels for 1..=GEMV_MAX_ROWS rows (index rows - 1).
     pub(super) gemv: Vec<CudaFunction>,
-    /// The same with two output features a warp, for 1 and 2 rows (`TAPEDECK_GEMV_FEATURES=2`).
-    pub(super) gemv_f2: [CudaFunction; 2],
     pub(super) gemv_swiglu: Vec<CudaFunction>,
     /// gate/up and down as one dataflow grid (`fuse=on` with `mlp`), for 1 and 2 rows.
     pub(super) mlp_flow: [CudaFunction; 2],
@@ -195,7 +193,6 @@ impl Kernels {
             add_bias: f("add_bias")?,
             f32_to_bf16: f("f32_to_bf16")?,
             gemv: rows(&module, "gemv_bf16")?,
-            gemv_f2: [f("gemv_bf16_f2_1")?, f("gemv_bf16_f2_2")?],
             gemv_swiglu: rows(&module, "gemv_bf16_swiglu")?,
             mlp_flow: [f("mlp_flow_1")?, f("mlp_flow_2")?],
             gemv_merged: rows(&fused, "gemv_bf16_merged")?,

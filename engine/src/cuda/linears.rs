@@ -352,23 +352,9 @@ impl Gpu {
             GemvIn::Merged(_) => None,
             _ => self.stream_grid(n, inp / splits),
         };
-        // Two features a warp (`TAPEDECK_GEMV_FEATURES=2`) for split launches of 1-2 rows
-        // (not the merging entry point).
-        let two_ok = !matches!(x, GemvIn::Merged(_))
-            && stream.is_none()
-            && splits > 1
-            && n <= 2
-            && block == GEMV_WARPS
-            && tune::get().gemv_grid == 0;
-        let features = if two_ok {
-            self.gemv_features.load(Ordering::Relaxed)
-        } else {
-            1
-        };
-        let kernels = match (stream, features) {
-            (Some(_), _) => std::slice::from_ref(&self.k.gemv_stream),
-            (None, 2) => self.k.gemv_f2.as_slice(),
-            _ => kernels.as_slice(),
+        let kernels = match stream {
+            Some(_) => std::slice::from_ref(&self.k.gemv_stream),
+            None => kernels.as_slice(),
         };
         let mut total = 0;
         for j in 0..max_mats {
@@ -382,7 +368,7 @@ impl Gpu {
         }
         let grid = match stream {
             Some(per_sm) => stream_blocks(self.sms, per_sm, total),
-            None => self.gemv_grid((total * splits).div_ceil(block * features)),
+            None => self.gemv_grid((total * splits).div_ceil(block)),
         };
         // The streaming kernels keep GEMV_WARPS warps a block.
         let warps = if stream.is_some() { GEMV_WARPS } else { block };

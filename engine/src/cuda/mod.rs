@@ -215,9 +215,6 @@ struct Gpu {
     /// Blocks per SM of the streaming one-row GEMV kernels, 0 for the default kernels
     /// (`TAPEDECK_GEMV_STREAM`; [`check`] sets it to run both).
     gemv_stream: AtomicUsize,
-    /// Output features per warp of split GEMV launches (`TAPEDECK_GEMV_FEATURES`; [`check`]
-    /// sets it to run both).
-    gemv_features: AtomicUsize,
     /// The virtual architecture the kernels are compiled for (`compute_XY`).
     arch: String,
     /// The cuBLAS workspace (kept alive for the handle).
@@ -276,7 +273,6 @@ impl Gpu {
             sms,
             pdl_capable: major >= 9,
             gemv_stream: AtomicUsize::new(tune::get().gemv_stream),
-            gemv_features: AtomicUsize::new(tune::get().gemv_features),
             arch,
             _workspace: workspace,
         };

@@ -16,10 +16,6 @@
 //!   llama-1b's down projection two warps a row (8 KB of weights each, as gate/up has) instead
 //!   of four. Measured on an H100 (llama-1b batch-1 decode, seventeenth session): 2048 876 tok/s,
 //!   4096 852, 1024 796.
-//! - `TAPEDECK_GEMV_FEATURES=2`: GEMV launches whose rows are split over several warps (the down
-//!   projection) run `gemv_bf16_f2_N`, two output features a warp, both prefetched before the
-//!   PDL wait: 8 KB of weights in flight a warp, as gate/up has, instead of 4 (1-2 rows, 8-warp
-//!   blocks). The same bits. Not yet timed.
 //! - `TAPEDECK_MLP_DROWS=1`: the MLP dataflow grid (`TAPEDECK_FUSE=...,mlp`) gives each down
 //!   warp one output feature (4 KB of weights in flight, as the separate down GEMV) instead of
 //!   two (8 KB, as a gate/up warp; compiled with `MLP_FLOW_DROWS`). The same bits.
@@ -229,8 +225,6 @@ pub(crate) struct Tuning {
     pub gemv_block: usize,
     /// Output features per down warp of the MLP dataflow grid (1 or 2).
     pub mlp_drows: usize,
-    /// Output features per warp of split GEMV launches (1 or 2).
-    pub gemv_features: usize,
     /// Where the mma decode kernel's splits are merged.
     pub mma_merge: MmaMerge,
     /// KV pools store f32 for every `kv_dtype` (`TAPEDECK_KV_STORAGE=f32`).
@@ -320,13 +314,6 @@ impl Tuning {
             |n| n == 1 || n == 2,
             "1 or 2",
         );
-        let gemv_features = number(
-            &var,
-            "TAPEDECK_GEMV_FEATURES",
-            1,
-            |n| n == 1 || n == 2,
-            "1 or 2",
-        );
         if gemv_grid > 0 {
             nvrtc_defines.push("-DGEMV_PERSIST=1".into());
         }
@@ -357,7 +344,6 @@ impl Tuning {
             gemv_slice,
             gemv_block,
             mlp_drows,
-            gemv_features,
             mma_merge,
             kv_f32,
             pinned,
@@ -449,7 +435,6 @@ mod tests {
                 gemv_slice: 2048,
                 gemv_block: 8,
                 mlp_drows: 2,
-                gemv_features: 1,
                 mma_merge: MmaMerge::Kernel,
                 kv_f32: false,
                 pinned: false,
