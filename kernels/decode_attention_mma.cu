@@ -74,15 +74,20 @@
 // wait for the kernel before them (griddepcontrol.wait). Launched with PDL (pdl=all), a block
 // then fetches its split's cached positions while the q/k/v GEMV still runs: only q and the
 // newest position (which that GEMV writes) are read after the wait, the newest row into the
-// staged tile by hand. Launched normally, the wait is a no-op and nothing changes.
+// staged tile by hand (ci/mma_tile_host_check.py). Launched normally, the wait is a no-op and
+// nothing changes. The same bits. llama-1b batch-1 decode on an H100 (twentieth session): under
+// pdl=all 865.9 -> 873.9 tok/s, but with DA_COMBINE_FAST and only the attention launched early
+// (TAPEDECK_PDL_ATTN=on) 877.7 against 877.4 without: kept off.
 #ifndef DA_KV_EARLY
 #define DA_KV_EARLY 0
 #endif
 // 1: decode_attn_combine loads every split's (m, l, O) of its head at once (up to DA_COMBINE_R
 // splits a thread: 4 * 256 / head_dim splits in all), instead of the maximum first and then the
-// weighted sums: one round trip to L2 after the mma kernel ends instead of three.
+// weighted sums: one round trip to L2 after the mma kernel ends instead of three, the same bits
+// (ci/combine_host_check.py). llama-1b batch-1 decode on an H100: 877.4 against 868.6 tok/s
+// (twentieth session); 0 restores the three rounds, for timing.
 #ifndef DA_COMBINE_FAST
-#define DA_COMBINE_FAST 0
+#define DA_COMBINE_FAST 1
 #endif
 #ifndef DA_COMBINE_R
 #define DA_COMBINE_R 4

@@ -644,6 +644,9 @@ impl Inner {
                     .p(ksc)
                     .p(vsc);
                 let grid = (nkv, nr, m.max_splits);
+                // pdl=all, or pdl=on with TAPEDECK_PDL_ATTN=on: the attention and its combine
+                // launch early too.
+                let early = early || (pass.pdl && self.gpu.pdl_capable && tune::get().pdl_attn);
                 if m.cluster {
                     CLUSTER_MERGES.fetch_add(1, Ordering::Relaxed);
                     mma_args.launch_cluster(

@@ -80,6 +80,10 @@
 //!   submitting the next (`on`, the default: the next step is enqueued first and reads the token
 //!   on the device, so the host's work between steps overlaps the step). The same tokens either
 //!   way; the knob times the overlap.
+//! - `TAPEDECK_PDL_ATTN=on`: under `pdl=on`, the mma decode kernel and its split combine are
+//!   launched with PDL too, as `pdl=all` launches them (the other kernels `pdl=all` adds are
+//!   left as they are). With the kernel macros `DA_KV_EARLY=1` (the attention stages its cached
+//!   KV before it waits) and `DA_COMBINE_FAST=1`, this times the attention's early launch alone.
 //! - `TAPEDECK_TRACE=path`: compile the kernels with `TD_TRACE=1` and record a per-block timeline
 //!   of every launch (cuda/trace.rs), saved to `path` as CSV by `bench engine`.
 
@@ -237,6 +241,9 @@ pub(crate) struct Tuning {
     pub run_ahead: bool,
     /// L2 prefetches of weights in batch-1 GEMV steps.
     pub l2_prefetch: L2Prefetch,
+    /// The mma decode kernel and its combine launch with PDL under `pdl=on`
+    /// (`TAPEDECK_PDL_ATTN=on`).
+    pub pdl_attn: bool,
 }
 
 /// The default split floor. The engine's pool holds f32 (the `_f32kv` kernel, one tile in flight
@@ -334,6 +341,7 @@ impl Tuning {
         let kv_f32 = second(&var, "TAPEDECK_KV_STORAGE", ["packed", "f32"]);
         let pinned = second(&var, "TAPEDECK_HOST_COPIES", ["pageable", "pinned"]);
         let run_ahead = !second(&var, "TAPEDECK_RUN_AHEAD", ["on", "off"]);
+        let pdl_attn = second(&var, "TAPEDECK_PDL_ATTN", ["off", "on"]);
         Tuning {
             nvrtc_defines,
             split_min,
@@ -349,6 +357,7 @@ impl Tuning {
             pinned,
             run_ahead,
             l2_prefetch: L2Prefetch::parse(var("TAPEDECK_L2_PREFETCH").as_deref()),
+            pdl_attn,
         }
     }
 }
@@ -440,6 +449,7 @@ mod tests {
                 pinned: false,
                 run_ahead: true,
                 l2_prefetch: L2Prefetch::default(),
+                pdl_attn: false,
             }
         );
         let t = parse(&[
@@ -470,6 +480,7 @@ mod tests {
         assert!(parse(&[("TAPEDECK_HOST_COPIES", " pinned")]).pinned);
         assert!(!parse(&[("TAPEDECK_HOST_COPIES", "locked")]).pinned);
         assert!(!parse(&[("TAPEDECK_RUN_AHEAD", "off")]).run_ahead);
+        assert!(parse(&[("TAPEDECK_PDL_ATTN", "on")]).pdl_attn);
         assert_eq!(parse(&[("TAPEDECK_MMA_SPLIT_MIN", "64")]).split_min, 64);
         assert_eq!(parse(&[("TAPEDECK_GEMV_SLICE", "512")]).gemv_slice, 512);
         let grid = parse(&[("TAPEDECK_GEMV_GRID", "2")]);
