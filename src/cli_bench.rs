@@ -279,6 +279,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "device busy"
             );
         }
+        // Per level, where the host's time per forward pass went (CUDA only): printed after the
+        // table, to show what keeps the device from being busy in batched serving.
+        let mut host_lines = Vec::new();
         for &c in &levels {
             let prompt_len = 64.min(args.prompt_len);
             let mut batch = |gen: usize| {
@@ -295,7 +298,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
             // The device's share of the round (an accelerator only): what is not busy is the
             // host's scheduling, launching and streaming between passes.
             let busy_before = engine.backend().device_time();
+            let host_before = cuda::host_split();
             let round = batch(args.gen)?;
+            let host = cuda::host_split().since(&host_before);
+            if host.passes > 0 {
+                host_lines.push(format!(
+                    "concurrency {c:>3}: {}",
+                    host_pass_split(&host, round.secs)
+                ));
+            }
             let busy = match (busy_before, engine.backend().device_time()) {
                 (Some((a, _)), Some((b, _))) => {
                     format!("{:.0}%", 100.0 * (b - a).as_secs_f64() / round.secs)
@@ -312,6 +323,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 handle.stats().kv_peak_mib(),
                 busy
             );
+        }
+        if !host_lines.is_empty() {
+            println!(
+                "host per forward pass (the scheduler's share is what is outside the backend):"
+            );
+            for l in &host_lines {
+                println!("  {l}");
+            }
         }
         if !levels.is_empty() {
             let s = handle.stats();
@@ -396,17 +415,28 @@ fn host_line(runs: &mut [(f64, cuda::HostSplit)], ahead: bool) {
     if split.passes == 0 {
         return;
     }
-    let us = |d: std::time::Duration| d.as_secs_f64() * 1e6 / split.passes as f64;
-    let inside = us(split.prepare) + us(split.launch) + us(split.wait) + us(split.read);
     println!(
-        "host per decode step: prepare {:.1} µs, launch {:.1} µs, wait for the device {:.1} µs, read {:.1} µs; outside the backend {:.1} µs{}",
+        "host per decode step: {}{}",
+        host_pass_split(&split, split.passes as f64 / rate.max(1e-9)),
+        if ahead { " (steps run ahead)" } else { "" }
+    );
+}
+
+/// `split`'s parts per pass, and what is left of `wall_secs` (the wall time those passes took)
+/// outside the backend: the scheduler's and the sampler's work between passes.
+fn host_pass_split(split: &cuda::HostSplit, wall_secs: f64) -> String {
+    let passes = split.passes.max(1) as f64;
+    let us = |d: std::time::Duration| d.as_secs_f64() * 1e6 / passes;
+    let inside = us(split.prepare) + us(split.launch) + us(split.wait) + us(split.read);
+    format!(
+        "prepare {:.1} µs, launch {:.1} µs, wait for the device {:.1} µs, read {:.1} µs; outside the backend {:.1} µs ({} passes)",
         us(split.prepare),
         us(split.launch),
         us(split.wait),
         us(split.read),
-        1e6 / rate.max(1e-9) - inside,
-        if ahead { " (steps run ahead)" } else { "" }
-    );
+        wall_secs * 1e6 / passes - inside,
+        split.passes
+    )
 }
 
 /// One round of the batched measurement: every request of `reqs` submitted at once, their
