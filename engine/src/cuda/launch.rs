@@ -87,14 +87,28 @@ pub(super) fn load_module(
     Ok(module)
 }
 
-/// An entry point of a loaded module.
+/// An entry point of a loaded module, with the preferred shared-memory carveout
+/// `TAPEDECK_SMEM_CARVEOUT` asks for (cuda/tune.rs), if any.
 pub(super) fn load_function(
     module: &Arc<cudarc::driver::CudaModule>,
     name: &str,
 ) -> Result<CudaFunction> {
-    module
+    let f = module
         .load_function(name)
-        .map_err(|e| dev_err(&format!("kernel {name}"), e))
+        .map_err(|e| dev_err(&format!("kernel {name}"), e))?;
+    if let Some(percent) = super::tune::get().smem_carveout {
+        // SAFETY: a valid function handle; the value is a percentage (0..=100), checked by tune.
+        unsafe {
+            cudarc::driver::sys::cuFuncSetAttribute(
+                f.cu_function(),
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                percent as i32,
+            )
+        }
+        .result()
+        .map_err(|e| dev_err(&format!("setting {name}'s shared-memory carveout"), e))?;
+    }
+    Ok(f)
 }
 
 /// An entry point that takes `smem` bytes of dynamic shared memory (above the default 48 KB, so

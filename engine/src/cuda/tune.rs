@@ -84,6 +84,14 @@
 //!   launched with PDL too, as `pdl=all` launches them (the other kernels `pdl=all` adds are
 //!   left as they are). With the kernel macros `DA_KV_EARLY=1` (the attention stages its cached
 //!   KV before it waits) and `DA_COMBINE_FAST=1`, this times the attention's early launch alone.
+//! - `TAPEDECK_SMEM_CARVEOUT=P` (0-100): every kernel's preferred shared-memory carveout, the
+//!   percentage of the SM's unified L1/shared memory given to shared memory
+//!   (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`). Unset: the driver picks one per
+//!   kernel from its needs. An SM runs blocks of one carveout at a time, so a kernel that gets a
+//!   different one from the kernel before it cannot start its blocks (PDL or not) on an SM until
+//!   that SM has drained; the GEMVs (a few KB of shared memory) and the mma attention (64 KB a
+//!   block) likely get different ones. One value for all lets consecutive kernels share SMs.
+//!   Only timing changes.
 //! - `TAPEDECK_TRACE=path`: compile the kernels with `TD_TRACE=1` and record a per-block timeline
 //!   of every launch (cuda/trace.rs), saved to `path` as CSV by `bench engine`.
 
@@ -244,6 +252,9 @@ pub(crate) struct Tuning {
     /// The mma decode kernel and its combine launch with PDL under `pdl=on`
     /// (`TAPEDECK_PDL_ATTN=on`).
     pub pdl_attn: bool,
+    /// Every kernel's preferred shared-memory carveout in percent (`TAPEDECK_SMEM_CARVEOUT`);
+    /// `None` leaves it to the driver.
+    pub smem_carveout: Option<u32>,
 }
 
 /// The default split floor. The engine's pool holds f32 (the `_f32kv` kernel, one tile in flight
@@ -342,6 +353,15 @@ impl Tuning {
         let pinned = second(&var, "TAPEDECK_HOST_COPIES", ["pageable", "pinned"]);
         let run_ahead = !second(&var, "TAPEDECK_RUN_AHEAD", ["on", "off"]);
         let pdl_attn = second(&var, "TAPEDECK_PDL_ATTN", ["off", "on"]);
+        let smem_carveout = var("TAPEDECK_SMEM_CARVEOUT").and_then(|v| {
+            match v.trim().parse::<u32>() {
+                Ok(p) if p <= 100 => Some(p),
+                _ => {
+                    tracing::warn!("TAPEDECK_SMEM_CARVEOUT: want a percentage 0-100, not {v:?}");
+                    None
+                }
+            }
+        });
         Tuning {
             nvrtc_defines,
             split_min,
@@ -358,6 +378,7 @@ impl Tuning {
             run_ahead,
             l2_prefetch: L2Prefetch::parse(var("TAPEDECK_L2_PREFETCH").as_deref()),
             pdl_attn,
+            smem_carveout,
         }
     }
 }
@@ -450,6 +471,7 @@ mod tests {
                 run_ahead: true,
                 l2_prefetch: L2Prefetch::default(),
                 pdl_attn: false,
+                smem_carveout: None,
             }
         );
         let t = parse(&[
@@ -481,6 +503,8 @@ mod tests {
         assert!(!parse(&[("TAPEDECK_HOST_COPIES", "locked")]).pinned);
         assert!(!parse(&[("TAPEDECK_RUN_AHEAD", "off")]).run_ahead);
         assert!(parse(&[("TAPEDECK_PDL_ATTN", "on")]).pdl_attn);
+        assert_eq!(parse(&[("TAPEDECK_SMEM_CARVEOUT", "100")]).smem_carveout, Some(100));
+        assert_eq!(parse(&[("TAPEDECK_SMEM_CARVEOUT", "101")]).smem_carveout, None);
         assert_eq!(parse(&[("TAPEDECK_MMA_SPLIT_MIN", "64")]).split_min, 64);
         assert_eq!(parse(&[("TAPEDECK_GEMV_SLICE", "512")]).gemv_slice, 512);
         let grid = parse(&[("TAPEDECK_GEMV_GRID", "2")]);
