@@ -6,7 +6,9 @@ waves, tails or waits.
 Per launch: blocks; the most blocks resident at once on the GPU and on one SM; block lifetime
 (end - start) and time after the PDL wait (end - wait released) at the median and the 90th
 percentile; and, counted from when the launch before it ended, when 50%, 90% and 100% of its
-blocks had ended. With --bytes KERNEL=MB (repeatable) it also prints the rate over that last
+blocks had ended; and how many of its blocks started on an SM while a block of the launch before
+was still running there (an SM holds blocks of one shared-memory carveout at a time: a kernel
+whose carveout differs from its predecessor's gets none, PDL or not). With --bytes KERNEL=MB (repeatable) it also prints the rate over that last
 interval for the kernels whose weight traffic you give (KERNEL/BLOCKS to tell apart launches of
 one kernel by grid size, or @K for the layer's K-th launch, from 0: the streaming GEMV runs o
 and down on the same grid).
@@ -84,8 +86,8 @@ def main():
     print(f"step of {len(step)} launches, layer {a.layer}: launches {lo}..{hi - 1}")
     print()
     print("| # | kernel | blocks | resident GPU / SM | life µs p50 / p90 | after wait µs p50 / p90 "
-          "| 50% / 90% / 100% ended µs | GB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| 50% / 90% / 100% ended µs | GB/s | beside the one before |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for i in range(lo, hi):
         l, prev_end = step[i], step[i - 1]["end"]
         evs = l["evs"]
@@ -104,8 +106,12 @@ def main():
         if key is not None and ends[-1] > 0:
             rate = f"{mb[key] * 1e6 / (ends[-1] * 1e3):.0f}"
         aw = f"{q(after, .5):.1f} / {q(after, .9):.1f}" if after else ""
+        before = collections.defaultdict(list)
+        for ps, pe, _, psm in step[i - 1]["evs"]:
+            before[psm].append((ps, pe))
+        beside = sum(any(ps <= s < pe for ps, pe in before[sm_]) for s, _, _, sm_ in evs)
         print(f"| {i} | {l['kernel']} | {len(evs)} | {gpu} / {sm} | {q(life, .5):.1f} / "
-              f"{q(life, .9):.1f} | {aw} | {p(.5):.1f} / {p(.9):.1f} / {ends[-1]:.1f} | {rate} |")
+              f"{q(life, .9):.1f} | {aw} | {p(.5):.1f} / {p(.9):.1f} / {ends[-1]:.1f} | {rate} | {beside} |")
     print()
     print("(ended: from the end of the launch before; negative: before it ended, as PDL allows)")
 
