@@ -14,6 +14,7 @@ timeout 150 .device/tapedeck bench engine --device cuda --model llama-1b "${ta[@
   --gen 64 --concurrency 1,16,64 --turns 0 --kv-budget-mib 8192 2>&1 | tee $OUT/bench-llama-1b.log | tail -12
 echo "at ${SECONDS}s"
 REPS=2 bash bench/cuda/sweep.sh "X=1 $B" "TAPEDECK_MMA_SPLIT_MIN=256 $B" "TAPEDECK_MMA_SPLIT_MIN=512 $B" \
+  "TAPEDECK_MMA_SPLIT_MIN=1024 $B" "TAPEDECK_SMEM_CARVEOUT=100+TAPEDECK_MMA_SPLIT_MIN=1024 $B" \
   "TAPEDECK_NVRTC_DEFINES=DA_COMBINE_FAST=0 $B" | tee $OUT/sweep-split.md
 echo "at ${SECONDS}s"
 ONLY_TESTS=1 TEST_TIMEOUT=220 bash bench/cuda/run_engine_tests.sh $OUT/tests > $OUT/tests.log 2>&1
