@@ -44,6 +44,7 @@ code = "\n".join(
         default("GEMV_WARPS"),
         default("GEMV_BLOCK_WARPS"),
         default("GEMV_PRE"),
+        default("GEMV_F32_TRIGGER_LATE"),
         default("GEMV_STREAM_DEPTH"),
         "#define GEMV_PERSIST 0",
         cut(eng, "template <int N, int T = 256, typename Store>", "rms_norm_rows("),

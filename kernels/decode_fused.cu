@@ -30,6 +30,9 @@ struct MergedSplits {
     const int* context_lens;
     int num_heads, head_dim, split_len, max_splits;
 
+    // Not an f32 input as given (GEMV_F32_TRIGGER_LATE, engine.cu).
+    __device__ __forceinline__ bool f32_as_given() const { return false; }
+
     // Splits of row r (0: empty context; 1: the mma kernel wrote the row).
     __device__ __forceinline__ int splits(int r) const {
         const int len = context_lens[r];

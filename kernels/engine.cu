@@ -577,6 +577,8 @@ struct GemvInputOf {
     int x_f32;
     const float* norm_w;
     float eps;
+    // Whether x is read as given in f32 (GEMV_F32_TRIGGER_LATE; every input type says).
+    __device__ __forceinline__ bool f32_as_given() const { return x_f32 && !norm_w; }
     // Where the kernel reads its n rows of `in` inputs, and whether they are f32.
     __device__ __forceinline__ const void* operator()(int n, int in, int* f32) const {
         *f32 = norm_w ? 0 : x_f32;
@@ -592,6 +594,15 @@ struct GemvInputOf {
     }
 };
 typedef GemvInputOf<32 * GEMV_WARPS> GemvInput;
+
+// 1: a GEMV whose input is f32 as given (in a decode step, the o projection reading the
+// attention output) lets the kernel after it launch only once its own wait is over, instead of
+// as soon as its weights are requested. With the attention triggering at its start
+// (DA_TRIGGER_LATE=0, pdl=all) the o GEMV then fetches its 8.4 MB during the attention, while
+// gate/up (17 MB a wave) does not launch until the attention output is ready. A timing knob.
+#ifndef GEMV_F32_TRIGGER_LATE
+#define GEMV_F32_TRIGGER_LATE 0
+#endif
 
 // Output feature `row` of up to three matrices concatenated (q, k and v in one launch): its
 // matrix, bias, output and row in it; live is false past the last one.
@@ -649,8 +660,10 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     Target cur = target(group * per_block + warp / splits);
     uint4 pre[GEMV_PRE];
     gemv_prefetch(weights(cur), len, lane, cur.live, pre);
-    pdl_launch_dependents();
+    const bool late = GEMV_F32_TRIGGER_LATE && input.f32_as_given();
+    if (!late) pdl_launch_dependents();
     pdl_wait();
+    if (late) pdl_launch_dependents();
     int x_f32;
     const void* x = input(N, in, &x_f32);
     // A persistent grid (GEMV_PERSIST, grid smaller than the row groups) loops over the groups,

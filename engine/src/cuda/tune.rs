@@ -353,15 +353,14 @@ impl Tuning {
         let pinned = second(&var, "TAPEDECK_HOST_COPIES", ["pageable", "pinned"]);
         let run_ahead = !second(&var, "TAPEDECK_RUN_AHEAD", ["on", "off"]);
         let pdl_attn = second(&var, "TAPEDECK_PDL_ATTN", ["off", "on"]);
-        let smem_carveout = var("TAPEDECK_SMEM_CARVEOUT").and_then(|v| {
-            match v.trim().parse::<u32>() {
+        let smem_carveout =
+            var("TAPEDECK_SMEM_CARVEOUT").and_then(|v| match v.trim().parse::<u32>() {
                 Ok(p) if p <= 100 => Some(p),
                 _ => {
                     tracing::warn!("TAPEDECK_SMEM_CARVEOUT: want a percentage 0-100, not {v:?}");
                     None
                 }
-            }
-        });
+            });
         Tuning {
             nvrtc_defines,
             split_min,
@@ -503,8 +502,14 @@ mod tests {
         assert!(!parse(&[("TAPEDECK_HOST_COPIES", "locked")]).pinned);
         assert!(!parse(&[("TAPEDECK_RUN_AHEAD", "off")]).run_ahead);
         assert!(parse(&[("TAPEDECK_PDL_ATTN", "on")]).pdl_attn);
-        assert_eq!(parse(&[("TAPEDECK_SMEM_CARVEOUT", "100")]).smem_carveout, Some(100));
-        assert_eq!(parse(&[("TAPEDECK_SMEM_CARVEOUT", "101")]).smem_carveout, None);
+        assert_eq!(
+            parse(&[("TAPEDECK_SMEM_CARVEOUT", "100")]).smem_carveout,
+            Some(100)
+        );
+        assert_eq!(
+            parse(&[("TAPEDECK_SMEM_CARVEOUT", "101")]).smem_carveout,
+            None
+        );
         assert_eq!(parse(&[("TAPEDECK_MMA_SPLIT_MIN", "64")]).split_min, 64);
         assert_eq!(parse(&[("TAPEDECK_GEMV_SLICE", "512")]).gemv_slice, 512);
         let grid = parse(&[("TAPEDECK_GEMV_GRID", "2")]);

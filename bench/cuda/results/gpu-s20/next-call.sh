@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the twenty-first session's first device call (~6 min; after `bash
+# For the twenty-first session's first device call (~7 min; after `bash
 # bench/cuda/build_for_device.sh`, copy to .device/call.sh, carry [".device"]).
 # (1) One shared-memory carveout for every kernel (TAPEDECK_SMEM_CARVEOUT, written after the
 # twentieth session's last call): an SM holds blocks of one carveout at a time, so if the GEMVs
@@ -8,7 +8,10 @@
 # would explain why launching the attention early gained nothing (twentieth session). With it,
 # early KV staging (DA_KV_EARLY=1 + TAPEDECK_PDL_ATTN=on) may pay again. Also pdl=all with the
 # attention triggering at its start (DA_TRIGGER_LATE=0): the o GEMV then launches, and fetches
-# its weights, during the attention, when the memory is otherwise idle (~3.3 µs a layer).
+# its weights, during the attention, when the memory is otherwise idle (~3.3 µs a layer); and
+# the same with the o GEMV triggering gate/up only after its own wait (GEMV_F32_TRIGGER_LATE=1),
+# so gate/up's 17 MB first wave does not crowd the attention's KV reads, under pdl=all and
+# under pdl=on with only the attention launched early (TAPEDECK_PDL_ATTN=on).
 # (2) One layer traced, default and carveout 100: trace_blocks.py's last column counts the
 # blocks that started beside a block of the kernel before on the same SM.
 # next-call-2.sh has the rest (bench engine, split floor, the whole suite).
@@ -22,8 +25,9 @@ C=TAPEDECK_SMEM_CARVEOUT
 E=TAPEDECK_PDL_ATTN=on+TAPEDECK_NVRTC_DEFINES=DA_KV_EARLY=1
 A=${B/pdl=on/pdl=all}
 L=TAPEDECK_NVRTC_DEFINES=DA_TRIGGER_LATE=0
+O=$L,GEMV_F32_TRIGGER_LATE=1
 REPS=2 bash bench/cuda/sweep.sh "X=1 $B" "$C=100 $B" "$C=50 $B" "$C=100+$E $B" "$E $B" "$L $A" "$C=100+$L $A" \
-  | tee $OUT/sweep-carveout.md
+  "$O $A" "TAPEDECK_PDL_ATTN=on+$O $B" | tee $OUT/sweep-carveout.md
 echo "at ${SECONDS}s"
 bash bench/cuda/trace_step.sh fast X=1 "$B" --layer 3 2>&1 | tail -12
 bash bench/cuda/trace_step.sh carve100 "$C=100" "$B" --layer 3 2>&1 | tail -12
