@@ -203,6 +203,16 @@ __device__ __forceinline__ void cp_async4(unsigned dst, const void* src, int src
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// Byte offset of 16-byte chunk `cc` of row `r` of a staged K (or V) matrix, as staged from the
+// pool: bf16 swizzled in place; FP8 codes in the upper half (RAW on); f32 raw rows.
+template <typename T, int D>
+__device__ __forceinline__ unsigned staged_offset(int r, int cc) {
+  typedef Geo<T, D> G;
+  return (G::ES == 2)   ? swz<D>(r, cc)
+         : (G::ES == 1) ? (unsigned)(G::RAW + r * D + (cc << 4))
+                        : (unsigned)(r * (4 * D) + (cc << 4));
+}
+
 // Stages the K and V rows of one tile (rows at or past nvalid zero-filled); for FP8 also the rows'
 // scales, lanes 0..15 the K scales and 16..31 the V scales (ks, vs are unused otherwise).
 template <typename T, int D>
@@ -215,9 +225,7 @@ __device__ __forceinline__ void issue_tile(unsigned sdst, const T* __restrict__ 
     const int idx = lane + 32 * k;
     const int r = idx / G::CPR;
     const int cc = idx % G::CPR;
-    const unsigned so = (G::ES == 2)   ? swz<D>(r, cc)
-                        : (G::ES == 1) ? (unsigned)(G::RAW + r * D + (cc << 4))
-                                       : (unsigned)(r * (4 * D) + (cc << 4));
+    const unsigned so = staged_offset<T, D>(r, cc);
     const bool ok = r < nvalid;
     const long long eo = ok ? rowbase + (long long)r * rowstride + (long long)(cc * G::EPC) : 0;
     const int nb = ok ? 16 : 0;  // src-size 0: the 16 bytes are zero-filled, nothing is read
@@ -275,10 +283,7 @@ struct RowFix {
     for (int u = 0; u < 2; ++u) {
       const int idx = lane + 32 * u;
       if (idx < 2 * G::CPR) {
-        const int cc = idx % G::CPR;
-        const unsigned so = (G::ES == 2)   ? swz<D>(r, cc)
-                            : (G::ES == 1) ? (unsigned)(G::RAW + r * D + (cc << 4))
-                                           : (unsigned)(r * (4 * D) + (cc << 4));
+        const unsigned so = staged_offset<T, D>(r, idx % G::CPR);
         *reinterpret_cast<uint4*>(sdst + (idx < G::CPR ? 0 : G::MAT) + so) = ch[u];
       }
     }
@@ -870,11 +875,13 @@ __device__ __forceinline__ bool mma_block(float* out, const float* q, const T* k
                                           int split_len, int max_splits, float scale, unsigned char* smem, int kvh,
                                           int seq, int split, const float* k_scale, const float* v_scale) {
   if (head_dim == 64)
-    da::mma_impl<T, 64, false, DA_KV_EARLY != 0>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps, nh,
-                               nkv, bs, split_len, max_splits, scale, smem, kvh, seq, split, k_scale, v_scale);
+    da::mma_impl<T, 64, false, DA_KV_EARLY != 0>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out,
+                                                 partial_ml, mbps, nh, nkv, bs, split_len, max_splits, scale, smem,
+                                                 kvh, seq, split, k_scale, v_scale);
   else if (head_dim == 128)
-    da::mma_impl<T, 128, false, DA_KV_EARLY != 0>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out, partial_ml, mbps,
-                                nh, nkv, bs, split_len, max_splits, scale, smem, kvh, seq, split, k_scale, v_scale);
+    da::mma_impl<T, 128, false, DA_KV_EARLY != 0>(out, q, k_pool, v_pool, block_tables, context_lens, partial_out,
+                                                  partial_ml, mbps, nh, nkv, bs, split_len, max_splits, scale, smem,
+                                                  kvh, seq, split, k_scale, v_scale);
   else
     return false;
   return true;
