@@ -406,6 +406,23 @@ extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 1
 #endif
+// Register caps for the batch-1 decode step's two big launch boundaries. A kernel launched early
+// under PDL can only place a block on an SM whose registers (65536 on sm_80/90/120) have room
+// for it beside the blocks still running there. Uncapped, two gate/up blocks (gemv_bf16_swiglu_1,
+// 96 registers x 256 threads) leave 16384, less than one down block (gemv_bf16_1, 72 registers:
+// 18432), so down could prefetch its weights only on SMs that gate/up had drained.
+// SWIGLU1_MAXNREG: the one-row gate/up kernel's register cap (0: the compiler's choice); 88 (no
+// spills) leaves 20480 beside two of its blocks. GEMV1_MIN_BLOCKS: the one-row plain GEMV's
+// blocks per SM (the o and down projections); 4 caps it at 64 registers (no spills), 16384 a
+// block. Each alone measured level; both together 882.7 against 879.9 tok/s (H100, twenty-first
+// session), so both are the default. TAPEDECK_NVRTC_DEFINES=SWIGLU1_MAXNREG=0,GEMV1_MIN_BLOCKS=1
+// restores the compiler's choice.
+#ifndef SWIGLU1_MAXNREG
+#define SWIGLU1_MAXNREG 88
+#endif
+#ifndef GEMV1_MIN_BLOCKS
+#define GEMV1_MIN_BLOCKS 4
+#endif
 // Warps per block of the standalone GEMV and gate/up kernels (gemv_bf16_N, gemv_bf16_merged_N,
 // gemv_bf16_swiglu_N): GEMV_WARPS, or 4 (TAPEDECK_GEMV_BLOCK=4 on the host, which sets it and
 // launches to match): twice the blocks, each living half as long, so a launch's last wave is
@@ -721,7 +738,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
 #define GEMV_ARGS(T)                                                                             \
     GemvInputOf<T>{x, x_f32, norm_w, eps}, in, splits, add, w0, b0, y0, out0, w1, b1, y1, out1, w2, b2, \
         y2, out2
-extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_1(GEMV_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV1_MIN_BLOCKS) gemv_bf16_1(GEMV_PARAMS) {
     TD_SCOPE("gemv_bf16_1");
     gemv_kernel<1>(GEMV_ARGS(32 * GEMV_BLOCK_WARPS));
 }
@@ -795,7 +812,12 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     const void *x, int x_f32, const float *norm_w, float eps, int n, int in, const bf16_t *wg,  \
         const float *bg, const bf16_t *wu, const float *bu, bf16_t *out, int inter
 #define SWIGLU_ARGS x, norm_w, eps, in, wg, bg, wu, bu, out, inter
-extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_swiglu_1(SWIGLU_PARAMS) {
+#if SWIGLU1_MAXNREG
+#define SWIGLU1_BOUNDS __maxnreg__(SWIGLU1_MAXNREG)
+#else
+#define SWIGLU1_BOUNDS __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS)
+#endif
+extern "C" __global__ void SWIGLU1_BOUNDS gemv_bf16_swiglu_1(SWIGLU_PARAMS) {
     TD_SCOPE("gemv_bf16_swiglu_1");
     swiglu_kernel<1>(SWIGLU_ARGS);
 }
@@ -1391,9 +1413,20 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
 #define QKV_ROPE_ARGS                                                                            \
     x, norm_w, eps, in, wq, bq, wk, bk, wv, bv, q, k, v, k_pool, v_pool, pos, inv_freq, slots,  \
         heads, kv_heads, hd, mode
+// The one-row entry points' register cap (0: the compiler's choice, 108). 96 (no spills) lets one
+// block (24576 registers) launch early beside two 64-register down blocks of the layer before
+// (see GEMV1_MIN_BLOCKS). A sweep knob (TAPEDECK_NVRTC_DEFINES=QKV1_MAXNREG=96).
+#ifndef QKV1_MAXNREG
+#define QKV1_MAXNREG 0
+#endif
+#if QKV1_MAXNREG
+#define QKV1_BOUNDS __maxnreg__(QKV1_MAXNREG)
+#else
+#define QKV1_BOUNDS __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS)
+#endif
 // The entry points (written out, not generated, so a reader and the engine's entry-point test
 // can find them).
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_qkv_rope_1(QKV_ROPE_PARAMS(float)) {
+extern "C" __global__ void QKV1_BOUNDS gemv_bf16_qkv_rope_1(QKV_ROPE_PARAMS(float)) {
     TD_SCOPE("gemv_bf16_qkv_rope_1");
     qkv_rope_kernel<1>(QKV_ROPE_ARGS);
 }
@@ -1409,7 +1442,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) g
     TD_SCOPE("gemv_bf16_qkv_rope_4");
     qkv_rope_kernel<4>(QKV_ROPE_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_qkv_rope_bf16kv_1(QKV_ROPE_PARAMS(bf16_t)) {
+extern "C" __global__ void QKV1_BOUNDS gemv_bf16_qkv_rope_bf16kv_1(QKV_ROPE_PARAMS(bf16_t)) {
     TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_1");
     qkv_rope_kernel<1>(QKV_ROPE_ARGS);
 }
