@@ -12,6 +12,10 @@ grids of 1 to 5 blocks, so that warps get several features, one, or none. Every 
 bit-identical to the default kernel's (which start as NaN unless added to, so an unwritten output
 shows), and within 1e-5 of Σ|w·x| of a float64 sum of the same bf16 operands.
 
+It also runs the default kernel with its as-given input (bf16, or f32 it rounds) copied into
+shared memory first (`gemv_x_prologue`, TAPEDECK_GEMV_X_SMEM: the launch's dynamic shared memory
+decides, here a host variable), on one row and on three: the same bits again.
+
     python3 ci/gemv_stream_host_check.py     # needs g++ (C++20)
 """
 import re
@@ -45,6 +49,10 @@ code = "\n".join(
         default("GEMV_BLOCK_WARPS"),
         default("GEMV_PRE"),
         default("GEMV_F32_TRIGGER_LATE"),
+        # The staging is compiled in; the launch's dynamic shared memory (a host variable here)
+        # decides whether a block copies its input.
+        "#define GEMV_X_SMEM 1",
+        "static unsigned g_dyn_smem = 0;\nstatic unsigned dynamic_smem_bytes() { return g_dyn_smem; }",
         default("GEMV_STREAM_DEPTH"),
         "#define GEMV_PERSIST 0",
         cut(eng, "template <int N, int T = 256, typename Store>", "rms_norm_rows("),
@@ -56,6 +64,8 @@ code = "\n".join(
         cut(eng, "template <int N, bool XF32>\n__device__ __forceinline__ void gemv_chunk", "void gemv_store("),
         # The dynamic shared memory of a GEMV block, as a fixed host array.
         cut(eng, "template <int N, int T = 32 * GEMV_WARPS>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
+        .replace("extern __shared__ uint4 gemv_smem[];", "static uint4 gemv_smem[4096];"),
+        cut(eng, "template <int N, int T>\n__device__ __forceinline__ const bf16_t* gemv_x_prologue", "gemv_x_prologue(")
         .replace("extern __shared__ uint4 gemv_smem[];", "static uint4 gemv_smem[4096];"),
         cut(eng, "template <int T>\nstruct GemvInputOf {", "operator()(") + "\n};",
         "typedef GemvInputOf<32 * GEMV_WARPS> GemvInput;",
@@ -155,6 +165,23 @@ int main() {
       printf("FAIL default gemv %dx%d input %d add %d: error %.2e of sum |terms|\n", total, in, input, add, worst);
       failures++;
     }
+    if (input < 2) {  // the default kernel with its input staged in shared memory
+      std::vector<std::vector<float>> got = start;
+      auto a0 = args(got, 0), a1 = args(got, 1), a2 = args(got, 2);
+      int blocks = (total * sh.splits + GEMV_WARPS - 1) / GEMV_WARPS;
+      g_dyn_smem = (unsigned)in * 2;
+      launch(dim3{(unsigned)blocks, 1, 1}, 32 * GEMV_WARPS, [&] {
+        gemv_kernel<1>(gin, in, sh.splits, add, a0.w, a0.b, a0.y, a0.out, a1.w, a1.b, a1.y, a1.out,
+                       a2.w, a2.b, a2.y, a2.out);
+      });
+      g_dyn_smem = 0;
+      cases++;
+      for (int j = 0; j < nm; ++j)
+        if (!same_bits(got[j], want[j])) {
+          printf("FAIL staged gemv %dx%d (matrix %d) input %d add %d\n", total, in, j, input, add);
+          failures++;
+        }
+    }
     for (unsigned grid = 1; grid <= 5; grid += 2) {
       std::vector<std::vector<float>> got = start;
       auto a0 = args(got, 0), a1 = args(got, 1), a2 = args(got, 2);
@@ -171,6 +198,34 @@ int main() {
                  total, in, j, input, add, grid, differ, got[j].size());
           failures++;
         }
+    }
+  }
+  // Three input rows, staged or not (bf16 and f32 input): the same bits.
+  for (int in : {2048, 520})
+  for (int input = 0; input < 2; ++input) {
+    const int n = 3, out = 21;
+    std::vector<float> wf((size_t)out * in), x((size_t)n * in);
+    for (auto& v : wf) v = nd(rng);
+    for (auto& v : x) v = nd(rng) * 3.f;
+    std::vector<bf16_t> wb = bf16_of(wf), xb = bf16_of(x);
+    const void* xp = input == 0 ? (const void*)xb.data() : (const void*)x.data();
+    GemvInput gin{xp, input == 1, nullptr, eps};
+    std::vector<float> want((size_t)n * out, nan), got(want.size(), nan);
+    for (int staged = 0; staged < 2; ++staged) {
+      std::vector<float>& y = staged ? got : want;
+      g_dyn_smem = staged ? (unsigned)(n * in * 2) : 0;
+      launch(dim3{(unsigned)((out + GEMV_WARPS - 1) / GEMV_WARPS), 1, 1}, 32 * GEMV_WARPS, [&] {
+        gemv_kernel<3>(gin, in, 1, 0, wb.data(), nullptr, y.data(), out, nullptr, nullptr, nullptr, 0,
+                       nullptr, nullptr, nullptr, 0);
+      });
+    }
+    g_dyn_smem = 0;
+    cases++;
+    bool written = true;
+    for (float v : want) written = written && std::isfinite(v);
+    if (!written || !same_bits(got, want)) {
+      printf("FAIL staged gemv 3 rows x %d input %d (written %d)\n", in, input, written);
+      failures++;
     }
   }
   // gate/up + SiLU: bf16 and normalized inputs.
@@ -205,7 +260,7 @@ int main() {
         if (!std::isfinite(of_bf16(b))) { printf("FAIL swiglu %dx%d: unwritten output\n", inter, in); failures++; break; }
     }
   }
-  printf("gemv_stream_host_check: %d stream runs bit-compared, %d failures\n", cases, failures);
+  printf("gemv_stream_host_check: %d stream and staged runs bit-compared, %d failures\n", cases, failures);
   return failures ? 1 : 0;
 }
 """

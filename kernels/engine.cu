@@ -406,22 +406,23 @@ extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 1
 #endif
-// Register caps for the batch-1 decode step's two big launch boundaries. A kernel launched early
-// under PDL can only place a block on an SM whose registers (65536 on sm_80/90/120) have room
-// for it beside the blocks still running there. Uncapped, two gate/up blocks (gemv_bf16_swiglu_1,
-// 96 registers x 256 threads) leave 16384, less than one down block (gemv_bf16_1, 72 registers:
-// 18432), so down could prefetch its weights only on SMs that gate/up had drained.
-// SWIGLU1_MAXNREG: the one-row gate/up kernel's register cap (0: the compiler's choice); 88 (no
-// spills) leaves 20480 beside two of its blocks. GEMV1_MIN_BLOCKS: the one-row plain GEMV's
-// blocks per SM (the o and down projections); 4 caps it at 64 registers (no spills), 16384 a
-// block. Each alone measured level; both together 882.7 against 879.9 tok/s (H100, twenty-first
-// session), so both are the default. TAPEDECK_NVRTC_DEFINES=SWIGLU1_MAXNREG=0,GEMV1_MIN_BLOCKS=1
-// restores the compiler's choice.
+// Register caps for the batch-1 decode step's two big launch boundaries (sweep knobs). A kernel
+// launched early under PDL can only place a block on an SM whose registers (65536 on sm_80/90/120)
+// have room for it beside the blocks still running there. Uncapped, two gate/up blocks
+// (gemv_bf16_swiglu_1, 96 registers x 256 threads) leave 16384, less than one down block
+// (gemv_bf16_1, 72 registers: 18432). SWIGLU1_MAXNREG: the one-row gate/up kernel's register cap
+// (0: the compiler's choice; 88 has no spills and leaves 20480). GEMV1_MIN_BLOCKS: the one-row
+// plain GEMV's blocks per SM (the o and down projections); 4 caps it at 64 registers (no spills).
+// Measured (H100, twenty-first session): both together 882.7 against 879.9 tok/s in one call,
+// 877.8 against 877.6 in the next. The trace says why: down, four blocks an SM, ends 3.2 us
+// sooner, but then fills every SM's registers, so the next layer's q/k/v GEMV (108 registers)
+// cannot start beside it and ends 3.2 us later. Off: TAPEDECK_NVRTC_DEFINES=SWIGLU1_MAXNREG=88,
+// GEMV1_MIN_BLOCKS=4 turns both on.
 #ifndef SWIGLU1_MAXNREG
-#define SWIGLU1_MAXNREG 88
+#define SWIGLU1_MAXNREG 0
 #endif
 #ifndef GEMV1_MIN_BLOCKS
-#define GEMV1_MIN_BLOCKS 4
+#define GEMV1_MIN_BLOCKS GEMV_MIN_BLOCKS
 #endif
 // Warps per block of the standalone GEMV and gate/up kernels (gemv_bf16_N, gemv_bf16_merged_N,
 // gemv_bf16_swiglu_N): GEMV_WARPS, or 4 (TAPEDECK_GEMV_BLOCK=4 on the host, which sets it and
@@ -584,10 +585,67 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
     return xs;
 }
 
+// 1: the plain GEMV entry points copy an input given as is (not normalized) into shared memory
+// first when the launch has room for it (gemv_x_prologue). Set by the host's
+// TAPEDECK_GEMV_X_SMEM=on, which also gives the launches that shared memory; 0 compiles the copy
+// out (it costs the one-row GEMV 8 registers even when not taken).
+#ifndef GEMV_X_SMEM
+#define GEMV_X_SMEM 0
+#endif
+
+// The dynamic shared memory this launch was given, in bytes.
+__device__ __forceinline__ unsigned int dynamic_smem_bytes() {
+    unsigned int r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// The N rows of `in` inputs x (bf16 bits, or f32 rounded to bf16 as load_x8 rounds it) copied once
+// into the block's dynamic shared memory as bf16 bits, so that the GEMV reads the values it would
+// have read from x, from shared memory. Without it each warp fetches all of x itself (the o
+// projection: 8 KB of f32 per warp, 16 MB from L2 across the launch, all requested at the same
+// moment, right after the PDL wait; down: 4 KB per warp). In 16-byte chunks, four in flight per
+// thread before any is stored (a block-stride loop that waited on each load would serialize).
+template <int N, int T>
+__device__ __forceinline__ const bf16_t* gemv_x_prologue(const void* x, int x_f32, int in) {
+    extern __shared__ uint4 gemv_smem[];
+    constexpr int U = 4;
+    int chunks = N * in / 8;  // in % 8 == 0 (the GEMV's own requirement)
+    for (int base = threadIdx.x; base < chunks; base += U * T) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = base + u * T;
+            if (c >= chunks) continue;
+            if (x_f32) {
+                const float4* p = (const float4*)x + 2 * (size_t)c;
+                float4 a = p[0], b = p[1];
+                auto pair = [](float lo, float hi) {
+                    return (unsigned int)f32_to_bf16_bits(lo) |
+                           ((unsigned int)f32_to_bf16_bits(hi) << 16);
+                };
+                v[u] = make_uint4(pair(a.x, a.y), pair(a.z, a.w), pair(b.x, b.y), pair(b.z, b.w));
+            } else {
+                v[u] = ((const uint4*)x)[c];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = base + u * T;
+            if (c < chunks) gemv_smem[c] = v[u];
+        }
+    }
+    __syncthreads();
+    return (const bf16_t*)gemv_smem;
+}
+
 // The input of the plain GEMV entry points, made ready once the previous kernel is done: x as
 // given (bf16 bits, or f32 when x_f32), or with norm_w the f32 residual stream normalized into
-// shared memory (gemv_norm_prologue). Other inputs (decode_fused.cu: attention splits merged on
-// the fly) are other types with the same call. T: the block's threads.
+// shared memory (gemv_norm_prologue). x as given is first copied into shared memory
+// (gemv_x_prologue) when the launch has the dynamic shared memory for it (the host's
+// TAPEDECK_GEMV_X_SMEM); either way the GEMV sums the same values in the same order. Other inputs
+// (decode_fused.cu: attention splits merged on the fly) are other types with the same call.
+// T: the block's threads.
 template <int T>
 struct GemvInputOf {
     const void* x;
@@ -599,7 +657,17 @@ struct GemvInputOf {
     // Where the kernel reads its n rows of `in` inputs, and whether they are f32.
     __device__ __forceinline__ const void* operator()(int n, int in, int* f32) const {
         *f32 = norm_w ? 0 : x_f32;
-        if (!norm_w) return x;
+        if (!norm_w) {
+            // The same for every thread of the block (the barrier inside is safe).
+            if (!GEMV_X_SMEM || dynamic_smem_bytes() < (unsigned int)(n * in * 2)) return x;
+            *f32 = 0;
+            switch (n) {
+                case 1: return gemv_x_prologue<1, T>(x, x_f32, in);
+                case 2: return gemv_x_prologue<2, T>(x, x_f32, in);
+                case 3: return gemv_x_prologue<3, T>(x, x_f32, in);
+                default: return gemv_x_prologue<GEMV_MAX_ROWS, T>(x, x_f32, in);
+            }
+        }
         // n is the entry point's constant row count once inlined: the switch folds away.
         const float* r = (const float*)x;
         switch (n) {
@@ -1415,7 +1483,8 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
         heads, kv_heads, hd, mode
 // The one-row entry points' register cap (0: the compiler's choice, 108). 96 (no spills) lets one
 // block (24576 registers) launch early beside two 64-register down blocks of the layer before
-// (see GEMV1_MIN_BLOCKS). A sweep knob (TAPEDECK_NVRTC_DEFINES=QKV1_MAXNREG=96).
+// (see GEMV1_MIN_BLOCKS). A sweep knob (TAPEDECK_NVRTC_DEFINES=QKV1_MAXNREG=96): level beside
+// GEMV1_MIN_BLOCKS=4 (H100, twenty-first session; down then fills the SMs at four blocks).
 #ifndef QKV1_MAXNREG
 #define QKV1_MAXNREG 0
 #endif

@@ -70,6 +70,18 @@ impl MergedSplits {
 /// Dynamic shared memory the GEMV kernels' fused RMSNorm may use (the default per-block limit).
 pub(super) const GEMV_NORM_SMEM: usize = 48 << 10;
 
+/// Dynamic shared memory for a plain GEMV to copy an as-given input of `n` rows of `inp` into
+/// (`TAPEDECK_GEMV_X_SMEM=on` and it fits the default per-block limit; the kernel copies only when
+/// it gets at least that much), else 0.
+fn x_stage_smem(n: usize, inp: usize) -> usize {
+    let bytes = n * inp * 2;
+    if tune::get().gemv_x_smem && bytes <= GEMV_NORM_SMEM {
+        bytes
+    } else {
+        0
+    }
+}
+
 impl GemvIn {
     /// Appends the kernels' input arguments: `(x, x_f32, norm_w, eps)`, or for `Merged` the
     /// merge's `(att, partial_out, partial_ml, ctx, heads, head_dim, split_len, max_splits)`;
@@ -335,6 +347,10 @@ impl Gpu {
         let block = tune::get().gemv_block;
         let splits = gemv_splits(inp, n, tune::get().gemv_slice).min(block);
         let (a, smem) = x.args(Args::new(), n, inp);
+        let smem = match x {
+            GemvIn::Bf16(_) | GemvIn::F32(_) => x_stage_smem(n, inp),
+            _ => smem,
+        };
         let mut a = a.i(n).i(inp).i(splits).i(usize::from(add));
         // The merging entry point takes one matrix; the others up to three.
         let (kernels, max_mats) = match x {

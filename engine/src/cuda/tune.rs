@@ -76,6 +76,13 @@
 //! - `TAPEDECK_HOST_COPIES=pinned`: each pass's index upload and picked-token download go
 //!   through page-locked host buffers, kept and grown as needed, instead of the pageable
 //!   vectors (`pageable`, the default): the driver then copies them by DMA with no staging copy.
+//! - `TAPEDECK_GEMV_X_SMEM=on`: the plain GEMV kernels copy an input given as is (the o
+//!   projection's f32 attention output, down's bf16 SiLU·up product) into shared memory once a
+//!   block before summing (compiled with `GEMV_X_SMEM=1`; launches get `n · in · 2` bytes of
+//!   dynamic shared memory where that fits in 48 KB), instead of every warp reading all of it
+//!   from global memory: the o projection's 256 blocks of 8 warps otherwise ask the L2 for 16 MB
+//!   of f32 input at the same moment, right after their PDL wait. The same values in the same
+//!   order (f32 is rounded to bf16 as the kernel rounds it on the fly): the same bits.
 //! - `TAPEDECK_RUN_AHEAD=off`: `Engine::generate` waits for each decode step's token before
 //!   submitting the next (`on`, the default: the next step is enqueued first and reads the token
 //!   on the device, so the host's work between steps overlaps the step). The same tokens either
@@ -255,6 +262,8 @@ pub(crate) struct Tuning {
     /// Every kernel's preferred shared-memory carveout in percent (`TAPEDECK_SMEM_CARVEOUT`);
     /// `None` leaves it to the driver.
     pub smem_carveout: Option<u32>,
+    /// The plain GEMVs stage an as-given input in shared memory (`TAPEDECK_GEMV_X_SMEM=on`).
+    pub gemv_x_smem: bool,
 }
 
 /// The default split floor. The engine's pool holds f32 (the `_f32kv` kernel, one tile in flight
@@ -344,6 +353,10 @@ impl Tuning {
         if trace.is_some() {
             nvrtc_defines.push("-DTD_TRACE=1".into());
         }
+        let gemv_x_smem = second(&var, "TAPEDECK_GEMV_X_SMEM", ["off", "on"]);
+        if gemv_x_smem {
+            nvrtc_defines.push("-DGEMV_X_SMEM=1".into());
+        }
         let mma_merge = [MmaMerge::Kernel, MmaMerge::InKernel, MmaMerge::Cluster][choice(
             &var,
             "TAPEDECK_MMA_MERGE",
@@ -378,6 +391,7 @@ impl Tuning {
             l2_prefetch: L2Prefetch::parse(var("TAPEDECK_L2_PREFETCH").as_deref()),
             pdl_attn,
             smem_carveout,
+            gemv_x_smem,
         }
     }
 }
@@ -471,6 +485,7 @@ mod tests {
                 l2_prefetch: L2Prefetch::default(),
                 pdl_attn: false,
                 smem_carveout: None,
+                gemv_x_smem: false,
             }
         );
         let t = parse(&[
@@ -529,6 +544,14 @@ mod tests {
             Some(std::path::Path::new("/tmp/t.csv"))
         );
         assert_eq!(traced.nvrtc_defines, ["-DTD_TRACE=1"]);
+        let staged = parse(&[("TAPEDECK_GEMV_X_SMEM", "on")]);
+        assert!(staged.gemv_x_smem);
+        assert_eq!(
+            staged.nvrtc_defines,
+            ["-DGEMV_X_SMEM=1"],
+            "the copy is compiled in"
+        );
+        assert!(!parse(&[("TAPEDECK_GEMV_X_SMEM", "yes")]).gemv_x_smem);
         let p = parse(&[(
             "TAPEDECK_L2_PREFETCH",
             "mlp:24, first,mlp:x,o2,down:8,blocks:0",
