@@ -14,7 +14,10 @@ shows), and within 1e-5 of Σ|w·x| of a float64 sum of the same bf16 operands.
 
 It also runs the default kernel with its as-given input (bf16, or f32 it rounds) copied into
 shared memory first (`gemv_x_prologue`, TAPEDECK_GEMV_X_SMEM: the launch's dynamic shared memory
-decides, here a host variable), on one row and on three: the same bits again.
+decides, here a host variable), on one row and on three, and with its weights staged in shared
+memory by cp.async (`GEMV_ASYNC`, 16 chunks a lane: TAPEDECK_GEMV_ASYNC=16; cp.async as a copy),
+also on slices of 4096 inputs (all staged) and 8192 (half staged, half loaded after): the same
+bits as the kernel holding its weights in registers, compiled beside it from the same text.
 
     python3 ci/gemv_stream_host_check.py     # needs g++ (C++20)
 """
@@ -53,6 +56,13 @@ code = "\n".join(
         # decides whether a block copies its input.
         "#define GEMV_X_SMEM 1",
         "static unsigned g_dyn_smem = 0;\nstatic unsigned dynamic_smem_bytes() { return g_dyn_smem; }",
+        # Weights staged by cp.async (a copy here) into a stage of their own.
+        "#define GEMV_ASYNC 1\n#define GEMV_STAGE_PRE 16",
+        define("GEMV_STAGE_BYTES"),
+        "static uint4 g_stage[GEMV_WARPS * GEMV_STAGE_PRE * 32];",
+        "static void gemv_stage16(uint4* dst, const uint4* src) { *dst = *src; }",
+        "static void gemv_stage_wait() { __syncwarp(); }",
+        "static uint4* gemv_stage_slot(int warp) { return g_stage + warp * GEMV_STAGE_PRE * 32; }",
         default("GEMV_STREAM_DEPTH"),
         "#define GEMV_PERSIST 0",
         cut(eng, "template <int N, int T = 256, typename Store>", "rms_norm_rows("),
@@ -61,6 +71,8 @@ code = "\n".join(
         "static uint4 load_stream(const uint4* p) { return *p; }",
         cut(eng, "template <bool XF32>\n__device__ __forceinline__ void load_x8", "load_x8("),
         cut(eng, "__device__ __forceinline__ void gemv_prefetch", "gemv_prefetch("),
+        cut(eng, "__device__ __forceinline__ void gemv_stage(", "gemv_stage("),
+        cut(eng, "struct StagedChunks {", "operator[](") + "\n};",
         cut(eng, "template <int N, bool XF32>\n__device__ __forceinline__ void gemv_chunk", "void gemv_store("),
         # The dynamic shared memory of a GEMV block, as a fixed host array.
         cut(eng, "template <int N, int T = 32 * GEMV_WARPS>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
@@ -70,6 +82,11 @@ code = "\n".join(
         cut(eng, "template <int T>\nstruct GemvInputOf {", "operator()(") + "\n};",
         "typedef GemvInputOf<32 * GEMV_WARPS> GemvInput;",
         cut(eng, "struct GemvTarget {", "gemv_target("),
+        # The kernel twice: as the default build compiles it (weights in registers), renamed,
+        # and with its weights staged in shared memory (GEMV_ASYNC below).
+        cut(eng, "template <int N, typename Input>\n__device__ __forceinline__ void gemv_kernel", "void gemv_kernel(")
+        .replace("void gemv_kernel(", "void gemv_kernel_regs(")
+        .replace("#if GEMV_ASYNC && !GEMV_PERSIST", "#if 0"),
         cut(eng, "template <int N, typename Input>\n__device__ __forceinline__ void gemv_kernel", "void gemv_kernel("),
         define("GEMV_PARAMS"),
         define("GEMV_ARGS"),
@@ -102,7 +119,9 @@ int main() {
   // (matrix rows, inputs, slices per feature) per matrix of one launch.
   struct Shape { std::vector<int> outs; int in, splits; };
   const std::vector<Shape> shapes = {
-      {{37}, 2048, 1}, {{29}, 8192, 4}, {{24, 8, 8}, 512, 1}, {{45}, 200, 1}, {{3}, 24, 1}};
+      {{37}, 2048, 1}, {{29}, 8192, 4}, {{24, 8, 8}, 512, 1}, {{45}, 200, 1}, {{3}, 24, 1},
+      // Slices the streaming kernels do not take (over 2048 inputs): register and staged only.
+      {{29}, 8192, 2}, {{7}, 8192, 1}};
   for (const Shape& sh : shapes)
   for (int input = 0; input < 3; ++input)  // bf16, f32 rounded by the kernel, normalized f32
   for (int add = 0; add < 2; ++add) {
@@ -136,9 +155,27 @@ int main() {
       auto a0 = args(want, 0), a1 = args(want, 1), a2 = args(want, 2);
       int blocks = (total * sh.splits + GEMV_WARPS - 1) / GEMV_WARPS;
       launch(dim3{(unsigned)blocks, 1, 1}, 32 * GEMV_WARPS, [&] {
+        gemv_kernel_regs<1>(gin, in, sh.splits, add, a0.w, a0.b, a0.y, a0.out, a1.w, a1.b, a1.y,
+                            a1.out, a2.w, a2.b, a2.y, a2.out);
+      });
+    }
+    {  // weights staged in shared memory (the host gives every launch the stage)
+      std::vector<std::vector<float>> got = start;
+      auto a0 = args(got, 0), a1 = args(got, 1), a2 = args(got, 2);
+      int blocks = (total * sh.splits + GEMV_WARPS - 1) / GEMV_WARPS;
+      g_dyn_smem = GEMV_STAGE_BYTES + (input == 2 ? in * 2 : 0);
+      launch(dim3{(unsigned)blocks, 1, 1}, 32 * GEMV_WARPS, [&] {
         gemv_kernel<1>(gin, in, sh.splits, add, a0.w, a0.b, a0.y, a0.out, a1.w, a1.b, a1.y, a1.out,
                        a2.w, a2.b, a2.y, a2.out);
       });
+      g_dyn_smem = 0;
+      cases++;
+      for (int j = 0; j < nm; ++j)
+        if (!same_bits(got[j], want[j])) {
+          printf("FAIL staged-weights gemv %dx%d (matrix %d) input %d add %d splits %d\n", total, in, j,
+                 input, add, sh.splits);
+          failures++;
+        }
     }
     // The float64 reference of the first matrix's outputs (x as the kernels round it).
     std::vector<float> xin(x);
@@ -165,14 +202,14 @@ int main() {
       printf("FAIL default gemv %dx%d input %d add %d: error %.2e of sum |terms|\n", total, in, input, add, worst);
       failures++;
     }
-    if (input < 2) {  // the default kernel with its input staged in shared memory
+    if (input < 2) {  // the register kernel with its input staged in shared memory
       std::vector<std::vector<float>> got = start;
       auto a0 = args(got, 0), a1 = args(got, 1), a2 = args(got, 2);
       int blocks = (total * sh.splits + GEMV_WARPS - 1) / GEMV_WARPS;
-      g_dyn_smem = (unsigned)in * 2;
+      g_dyn_smem = (unsigned)in * 2 + GEMV_STAGE_BYTES;
       launch(dim3{(unsigned)blocks, 1, 1}, 32 * GEMV_WARPS, [&] {
-        gemv_kernel<1>(gin, in, sh.splits, add, a0.w, a0.b, a0.y, a0.out, a1.w, a1.b, a1.y, a1.out,
-                       a2.w, a2.b, a2.y, a2.out);
+        gemv_kernel_regs<1>(gin, in, sh.splits, add, a0.w, a0.b, a0.y, a0.out, a1.w, a1.b, a1.y,
+                            a1.out, a2.w, a2.b, a2.y, a2.out);
       });
       g_dyn_smem = 0;
       cases++;
@@ -182,7 +219,7 @@ int main() {
           failures++;
         }
     }
-    for (unsigned grid = 1; grid <= 5; grid += 2) {
+    for (unsigned grid = 1; grid <= 5 && in / sh.splits <= 2048; grid += 2) {
       std::vector<std::vector<float>> got = start;
       auto a0 = args(got, 0), a1 = args(got, 1), a2 = args(got, 2);
       launch(dim3{grid, 1, 1}, 32 * GEMV_WARPS, [&] {
@@ -213,9 +250,9 @@ int main() {
     std::vector<float> want((size_t)n * out, nan), got(want.size(), nan);
     for (int staged = 0; staged < 2; ++staged) {
       std::vector<float>& y = staged ? got : want;
-      g_dyn_smem = staged ? (unsigned)(n * in * 2) : 0;
+      g_dyn_smem = staged ? (unsigned)(n * in * 2) + GEMV_STAGE_BYTES : 0;
       launch(dim3{(unsigned)((out + GEMV_WARPS - 1) / GEMV_WARPS), 1, 1}, 32 * GEMV_WARPS, [&] {
-        gemv_kernel<3>(gin, in, 1, 0, wb.data(), nullptr, y.data(), out, nullptr, nullptr, nullptr, 0,
+        gemv_kernel_regs<3>(gin, in, 1, 0, wb.data(), nullptr, y.data(), out, nullptr, nullptr, nullptr, 0,
                        nullptr, nullptr, nullptr, 0);
       });
     }

@@ -519,10 +519,11 @@ __device__ __forceinline__ void gemv_chunk(uint4 q, const void* x, int in, int k
 // acc[r] = x[r][k0 .. k0 + len] · w for the N input rows (rows of `in` values), w the matching
 // `len` bf16 weights (len % 8 == 0, 16-byte aligned) whose first chunks are in `pre`; every lane
 // of the warp gets the sums. Past the prefetched chunks, U loads of 16 bytes in flight per lane.
-template <int N, bool XF32>
-__device__ __forceinline__ void gemv_row(const bf16_t* w, const uint4 pre[GEMV_PRE],
-                                         const void* x, int in, int k0, int len, int lane,
-                                         float acc[N]) {
+// `pre` is the lane's registers (uint4[GEMV_PRE], pre[u] its chunk lane + 32u) or any type
+// indexed the same way with P chunks (StagedChunks: the chunks in shared memory).
+template <int N, bool XF32, int P = GEMV_PRE, typename Pre = uint4[GEMV_PRE]>
+__device__ __forceinline__ void gemv_row(const bf16_t* w, const Pre& pre, const void* x, int in,
+                                         int k0, int len, int lane, float acc[N]) {
     // A persistent grid holds the next row's prefetched chunks too: fewer loads in flight here.
     constexpr int U = GEMV_PERSIST ? 2 : N <= 2 ? 8 : 4;
 #pragma unroll
@@ -530,11 +531,11 @@ __device__ __forceinline__ void gemv_row(const bf16_t* w, const uint4 pre[GEMV_P
     const uint4* wr = (const uint4*)w;
     int chunks = len / 8;
 #pragma unroll
-    for (int u = 0; u < GEMV_PRE; u++) {
+    for (int u = 0; u < P; u++) {
         int c = lane + 32 * u;
         if (c < chunks) gemv_chunk<N, XF32>(pre[u], x, in, k0, c, acc);
     }
-    for (int base = lane + 32 * GEMV_PRE; base < chunks; base += 32 * U) {
+    for (int base = lane + 32 * P; base < chunks; base += 32 * U) {
         uint4 q[U];
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -584,6 +585,24 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
     __syncthreads();
     return xs;
 }
+
+// 1: the plain GEMV entry points (gemv_bf16_N, and the merging ones of decode_fused.cu) request
+// each warp's first GEMV_PRE chunks a lane of weights into shared memory with cp.async instead of
+// into registers (gemv_stage), and read them from there once the input is ready. The bytes a
+// block has in flight before its PDL wait then hold no registers: registers, not bytes, are what
+// limit how many GEMV blocks an SM holds (down: three, 96 KB in flight; at four, 128 KB, it ran
+// 3.2 us faster a layer, twenty-first session) and whether the next kernel's blocks fit beside
+// them. The stage is the last GEMV_STAGE_BYTES of the block's dynamic shared memory (the host's
+// TAPEDECK_GEMV_ASYNC=on sets this and adds them to every such launch). The same bits.
+// GEMV_STAGE_PRE: chunks a lane staged (default GEMV_PRE: 4 KB a warp; 16 stages a whole
+// 4096-input slice, TAPEDECK_GEMV_SLICE=4096, which the registers could not hold).
+#ifndef GEMV_ASYNC
+#define GEMV_ASYNC 0
+#endif
+#ifndef GEMV_STAGE_PRE
+#define GEMV_STAGE_PRE GEMV_PRE
+#endif
+#define GEMV_STAGE_BYTES (GEMV_ASYNC ? GEMV_BLOCK_WARPS * GEMV_STAGE_PRE * 32 * 16 : 0)
 
 // 1: the plain GEMV entry points copy an input given as is (not normalized) into shared memory
 // first when the launch has room for it (gemv_x_prologue). Set by the host's
@@ -659,7 +678,9 @@ struct GemvInputOf {
         *f32 = norm_w ? 0 : x_f32;
         if (!norm_w) {
             // The same for every thread of the block (the barrier inside is safe).
-            if (!GEMV_X_SMEM || dynamic_smem_bytes() < (unsigned int)(n * in * 2)) return x;
+            if (!GEMV_X_SMEM ||
+                dynamic_smem_bytes() < (unsigned int)(n * in * 2) + GEMV_STAGE_BYTES)
+                return x;
             *f32 = 0;
             switch (n) {
                 case 1: return gemv_x_prologue<1, T>(x, x_f32, in);
@@ -688,6 +709,44 @@ typedef GemvInputOf<32 * GEMV_WARPS> GemvInput;
 #ifndef GEMV_F32_TRIGGER_LATE
 #define GEMV_F32_TRIGGER_LATE 0
 #endif
+
+
+// 16 bytes of weights from global to shared memory through L2 only (cp.async, sm_80+).
+__device__ __forceinline__ void gemv_stage16(uint4* dst, const uint4* src) {
+    unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+
+// Waits for this thread's staged chunks; the warp's lanes then see each other's.
+__device__ __forceinline__ void gemv_stage_wait() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncwarp();
+}
+
+// The GEMV_STAGE_PRE chunks a lane of warp `warp`'s stage, in chunk order (chunk c at slot c).
+__device__ __forceinline__ uint4* gemv_stage_slot(int warp) {
+    extern __shared__ uint4 gemv_smem[];
+    return gemv_smem + (dynamic_smem_bytes() - GEMV_STAGE_BYTES) / 16 + warp * GEMV_STAGE_PRE * 32;
+}
+
+// gemv_prefetch into the warp's stage: the first GEMV_STAGE_PRE chunks a lane of row w
+// requested, none past the end or for a warp without a row (those slots are never read).
+__device__ __forceinline__ void gemv_stage(const bf16_t* w, int in, int lane, bool live,
+                                           uint4* slot) {
+    const uint4* wr = (const uint4*)w;
+    int chunks = in / 8;
+#pragma unroll
+    for (int u = 0; u < GEMV_STAGE_PRE; u++) {
+        int c = lane + 32 * u;
+        if (live && c < chunks) gemv_stage16(slot + c, wr + c);
+    }
+}
+
+// A lane's staged chunks as gemv_row reads them: pre[u] is chunk lane + 32u.
+struct StagedChunks {
+    const uint4* lane_slot;  // the stage + lane
+    __device__ __forceinline__ uint4 operator[](int u) const { return lane_slot[32 * u]; }
+};
 
 // Output feature `row` of up to three matrices concatenated (q, k and v in one launch): its
 // matrix, bias, output and row in it; live is false past the last one.
@@ -743,14 +802,23 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     auto weights = [&](const Target& t) { return t.w + (t.live ? (size_t)t.row * in + k0 : 0); };
     int group = blockIdx.x;
     Target cur = target(group * per_block + warp / splits);
+#if GEMV_ASYNC && !GEMV_PERSIST
+    uint4* slot = gemv_stage_slot(warp);
+    gemv_stage(weights(cur), len, lane, cur.live, slot);
+    const StagedChunks pre{slot + lane};
+#else
     uint4 pre[GEMV_PRE];
     gemv_prefetch(weights(cur), len, lane, cur.live, pre);
+#endif
     const bool late = GEMV_F32_TRIGGER_LATE && input.f32_as_given();
     if (!late) pdl_launch_dependents();
     pdl_wait();
     if (late) pdl_launch_dependents();
     int x_f32;
     const void* x = input(N, in, &x_f32);
+#if GEMV_ASYNC && !GEMV_PERSIST
+    gemv_stage_wait();
+#endif
     // A persistent grid (GEMV_PERSIST, grid smaller than the row groups) loops over the groups,
     // block by block, with the next group's weights in flight while this one's are summed.
     for (;;) {
@@ -765,10 +833,15 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
 #pragma unroll
         for (int r = 0; r < N; r++) acc[r] = 0.0f;
         if (cur.live) {
+#if GEMV_ASYNC && !GEMV_PERSIST
+            constexpr int P = GEMV_STAGE_PRE;
+#else
+            constexpr int P = GEMV_PRE;
+#endif
             if (x_f32)
-                gemv_row<N, true>(weights(cur), pre, x, in, k0, len, lane, acc);
+                gemv_row<N, true, P>(weights(cur), pre, x, in, k0, len, lane, acc);
             else
-                gemv_row<N, false>(weights(cur), pre, x, in, k0, len, lane, acc);
+                gemv_row<N, false, P>(weights(cur), pre, x, in, k0, len, lane, acc);
         }
         if (splits > 1) {
             if (lane == 0) {

@@ -111,6 +111,10 @@ pub(super) fn load_function(
     Ok(f)
 }
 
+/// The dynamic shared memory a plain GEMV launch may take with staged weights
+/// (`TAPEDECK_GEMV_ASYNC`): sm_120's opt-in limit per block, the smallest of the GPUs we build for.
+pub(super) const GEMV_SMEM_LIMIT: usize = 99 << 10;
+
 /// An entry point that takes `smem` bytes of dynamic shared memory (above the default 48 KB, so
 /// its limit is raised first).
 pub(super) fn load_with_smem(
@@ -146,6 +150,17 @@ impl Kernels {
         let rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str| {
             (1..=GEMV_MAX_ROWS)
                 .map(|n| load_function(m, &format!("{stem}_{n}")))
+                .collect::<Result<Vec<_>>>()
+        };
+        // The plain GEMVs' limit, raised when their weights are staged in shared memory
+        // (`TAPEDECK_GEMV_ASYNC`): the stage plus the 48 KB their input may take.
+        let gemv_rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str| {
+            let stage = super::tune::get().gemv_stage_bytes(super::tune::get().gemv_block);
+            if stage == 0 {
+                return rows(m, stem);
+            }
+            (1..=GEMV_MAX_ROWS)
+                .map(|n| load_with_smem(m, &format!("{stem}_{n}"), GEMV_SMEM_LIMIT))
                 .collect::<Result<Vec<_>>>()
         };
         let prefill = match head_dim {
@@ -206,10 +221,10 @@ impl Kernels {
             add_inplace: f("add_inplace")?,
             add_bias: f("add_bias")?,
             f32_to_bf16: f("f32_to_bf16")?,
-            gemv: rows(&module, "gemv_bf16")?,
+            gemv: gemv_rows(&module, "gemv_bf16")?,
             gemv_swiglu: rows(&module, "gemv_bf16_swiglu")?,
             mlp_flow: [f("mlp_flow_1")?, f("mlp_flow_2")?],
-            gemv_merged: rows(&fused, "gemv_bf16_merged")?,
+            gemv_merged: gemv_rows(&fused, "gemv_bf16_merged")?,
             gemv_stream: f("gemv_stream_bf16_1")?,
             gemv_stream_swiglu: f("gemv_stream_swiglu_1")?,
             l2_prefetch: f("l2_prefetch")?,

@@ -372,6 +372,18 @@ impl Gpu {
             Some(_) => std::slice::from_ref(&self.k.gemv_stream),
             None => kernels.as_slice(),
         };
+        // Staged weights (TAPEDECK_GEMV_ASYNC) take the end of the default kernels' shared memory.
+        let smem = match stream {
+            Some(_) => smem,
+            None => smem + tune::get().gemv_stage_bytes(block),
+        };
+        if smem > super::launch::GEMV_SMEM_LIMIT {
+            return Err(Error::Device(format!(
+                "a GEMV of {n} rows of {inp} inputs needs {smem} bytes of shared memory with \
+                 TAPEDECK_GEMV_ASYNC's staged weights, over the {} it may take",
+                super::launch::GEMV_SMEM_LIMIT
+            )));
+        }
         let mut total = 0;
         for j in 0..max_mats {
             a = match mats.get(j) {

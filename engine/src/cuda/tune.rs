@@ -83,6 +83,14 @@
 //!   from global memory: the o projection's 256 blocks of 8 warps otherwise ask the L2 for 16 MB
 //!   of f32 input at the same moment, right after their PDL wait. The same values in the same
 //!   order (f32 is rounded to bf16 as the kernel rounds it on the fly): the same bits.
+//! - `TAPEDECK_GEMV_ASYNC=8|16`: the plain GEMV kernels (o, down, the head, and the merging o
+//!   GEMV of `fuse=...,merge`) request each warp's first 8 or 16 chunks a lane of weights (4 or
+//!   8 KB a warp) into shared memory with cp.async, not into registers (compiled with
+//!   `GEMV_ASYNC=1`, `GEMV_STAGE_PRE=N`; every such launch gets `warps · N · 512` more bytes of
+//!   dynamic shared memory). Registers, not bytes, limit how many GEMV blocks an SM holds (the
+//!   one-row GEMV: 71 registers, 60 staged) and whether the next kernel's blocks fit beside
+//!   them; 16 with `TAPEDECK_GEMV_SLICE=4096` gives down two warps a row with all 8 KB each in
+//!   flight before the PDL wait. The same bits. Unset or 0: registers.
 //! - `TAPEDECK_RUN_AHEAD=off`: `Engine::generate` waits for each decode step's token before
 //!   submitting the next (`on`, the default: the next step is enqueued first and reads the token
 //!   on the device, so the host's work between steps overlaps the step). The same tokens either
@@ -264,6 +272,17 @@ pub(crate) struct Tuning {
     pub smem_carveout: Option<u32>,
     /// The plain GEMVs stage an as-given input in shared memory (`TAPEDECK_GEMV_X_SMEM=on`).
     pub gemv_x_smem: bool,
+    /// Chunks a lane the plain GEMVs stage in shared memory through cp.async, 0 for registers
+    /// (`TAPEDECK_GEMV_ASYNC`).
+    pub gemv_async: usize,
+}
+
+impl Tuning {
+    /// The dynamic shared memory a plain GEMV launch of `warps`-warp blocks adds for its staged
+    /// weights (`TAPEDECK_GEMV_ASYNC`; 0 when off): 16 bytes a chunk.
+    pub fn gemv_stage_bytes(&self, warps: usize) -> usize {
+        warps * self.gemv_async * 32 * 16
+    }
 }
 
 /// The default split floor. The engine's pool holds f32 (the `_f32kv` kernel, one tile in flight
@@ -353,6 +372,17 @@ impl Tuning {
         if trace.is_some() {
             nvrtc_defines.push("-DTD_TRACE=1".into());
         }
+        let gemv_async = number(
+            &var,
+            "TAPEDECK_GEMV_ASYNC",
+            0,
+            |n| [0, 8, 16].contains(&n),
+            "0, 8 or 16 chunks a lane",
+        );
+        if gemv_async > 0 {
+            nvrtc_defines.push("-DGEMV_ASYNC=1".into());
+            nvrtc_defines.push(format!("-DGEMV_STAGE_PRE={gemv_async}"));
+        }
         let gemv_x_smem = second(&var, "TAPEDECK_GEMV_X_SMEM", ["off", "on"]);
         if gemv_x_smem {
             nvrtc_defines.push("-DGEMV_X_SMEM=1".into());
@@ -392,6 +422,7 @@ impl Tuning {
             pdl_attn,
             smem_carveout,
             gemv_x_smem,
+            gemv_async,
         }
     }
 }
@@ -486,6 +517,7 @@ mod tests {
                 pdl_attn: false,
                 smem_carveout: None,
                 gemv_x_smem: false,
+                gemv_async: 0,
             }
         );
         let t = parse(&[
@@ -552,6 +584,18 @@ mod tests {
             "the copy is compiled in"
         );
         assert!(!parse(&[("TAPEDECK_GEMV_X_SMEM", "yes")]).gemv_x_smem);
+        let staged = parse(&[("TAPEDECK_GEMV_ASYNC", "16")]);
+        assert_eq!(
+            staged.nvrtc_defines,
+            ["-DGEMV_ASYNC=1", "-DGEMV_STAGE_PRE=16"]
+        );
+        assert_eq!(staged.gemv_stage_bytes(8), 64 << 10);
+        let off = parse(&[("TAPEDECK_GEMV_ASYNC", "12")]);
+        assert_eq!(
+            (off.gemv_async, off.gemv_stage_bytes(8)),
+            (0, 0),
+            "12 is not a depth"
+        );
         let p = parse(&[(
             "TAPEDECK_L2_PREFETCH",
             "mlp:24, first,mlp:x,o2,down:8,blocks:0",
