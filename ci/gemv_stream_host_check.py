@@ -17,7 +17,8 @@ shared memory first (`gemv_x_prologue`, TAPEDECK_GEMV_X_SMEM: the launch's dynam
 decides, here a host variable), on one row and on three, and with its weights staged in shared
 memory by cp.async (`GEMV_ASYNC`, 16 chunks a lane: TAPEDECK_GEMV_ASYNC=16; cp.async as a copy),
 also on slices of 4096 inputs (all staged) and 8192 (half staged, half loaded after): the same
-bits as the kernel holding its weights in registers, compiled beside it from the same text.
+bits as the kernel holding its weights in registers, compiled beside it from the same text. The
+gate/up kernel likewise (`SWIGLU_ASYNC`, TAPEDECK_SWIGLU_ASYNC=on).
 
     python3 ci/gemv_stream_host_check.py     # needs g++ (C++20)
 """
@@ -63,6 +64,10 @@ code = "\n".join(
         "static void gemv_stage16(uint4* dst, const uint4* src) { *dst = *src; }",
         "static void gemv_stage_wait() { __syncwarp(); }",
         "static uint4* gemv_stage_slot(int warp) { return g_stage + warp * GEMV_STAGE_PRE * 32; }",
+        "#define SWIGLU_ASYNC 1",
+        define("SWIGLU_STAGE_BYTES"),
+        "static uint4 g_tail[SWIGLU_STAGE_BYTES / 16];",
+        "static uint4* smem_tail(unsigned) { return g_tail; }",
         default("GEMV_STREAM_DEPTH"),
         "#define GEMV_PERSIST 0",
         cut(eng, "template <int N, int T = 256, typename Store>", "rms_norm_rows("),
@@ -71,7 +76,7 @@ code = "\n".join(
         "static uint4 load_stream(const uint4* p) { return *p; }",
         cut(eng, "template <bool XF32>\n__device__ __forceinline__ void load_x8", "load_x8("),
         cut(eng, "__device__ __forceinline__ void gemv_prefetch", "gemv_prefetch("),
-        cut(eng, "__device__ __forceinline__ void gemv_stage(", "gemv_stage("),
+        cut(eng, "template <int P>\n__device__ __forceinline__ void gemv_stage(", "gemv_stage("),
         cut(eng, "struct StagedChunks {", "operator[](") + "\n};",
         cut(eng, "template <int N, bool XF32>\n__device__ __forceinline__ void gemv_chunk", "void gemv_store("),
         # The dynamic shared memory of a GEMV block, as a fixed host array.
@@ -93,6 +98,11 @@ code = "\n".join(
         define("SWIGLU_PARAMS"),
         define("SWIGLU_ARGS"),
         cut(eng, "template <int N>\n__device__ __forceinline__ void swiglu_store", "void swiglu_kernel("),
+        # gate/up as the default build compiles it (weights in registers), renamed, beside the
+        # staged one (SWIGLU_ASYNC above).
+        cut(eng, "template <int N>\n__device__ __forceinline__ void swiglu_kernel", "void swiglu_kernel(")
+        .replace("void swiglu_kernel(", "void swiglu_kernel_regs(")
+        .replace("#if SWIGLU_ASYNC && !GEMV_PERSIST", "#if 0"),
         cut(eng, "template <bool XF32, typename UnitW", "void gemv_stream_kernel("),
         cut(eng, 'extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_STREAM_MIN_BLOCKS) gemv_stream_swiglu_1',
             "gemv_stream_swiglu_1("),
@@ -281,8 +291,17 @@ int main() {
     const float* bgp = inter == 45 ? bg.data() : nullptr;
     std::vector<bf16_t> want(inter, 0x7fc0), got;
     launch(dim3{(unsigned)((inter + GEMV_WARPS - 1) / GEMV_WARPS), 1, 1}, 32 * GEMV_WARPS, [&] {
-      swiglu_kernel<1>(xp, nw, eps, in, wg.data(), bgp, wu.data(), nullptr, want.data(), inter);
+      swiglu_kernel_regs<1>(xp, nw, eps, in, wg.data(), bgp, wu.data(), nullptr, want.data(), inter);
     });
+    got.assign(inter, 0x7fc0);  // the weights staged in shared memory
+    launch(dim3{(unsigned)((inter + GEMV_WARPS - 1) / GEMV_WARPS), 1, 1}, 32 * GEMV_WARPS, [&] {
+      swiglu_kernel<1>(xp, nw, eps, in, wg.data(), bgp, wu.data(), nullptr, got.data(), inter);
+    });
+    cases++;
+    if (memcmp(got.data(), want.data(), inter * 2) != 0) {
+      printf("FAIL staged-weights swiglu %dx%d normed %d\n", inter, in, normed);
+      failures++;
+    }
     for (unsigned grid = 1; grid <= 5; grid += 2) {
       got.assign(inter, 0x7fc0);
       launch(dim3{grid, 1, 1}, 32 * GEMV_WARPS, [&] {

@@ -603,6 +603,14 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
 #define GEMV_STAGE_PRE GEMV_PRE
 #endif
 #define GEMV_STAGE_BYTES (GEMV_ASYNC ? GEMV_BLOCK_WARPS * GEMV_STAGE_PRE * 32 * 16 : 0)
+// 1: the gate/up kernels (gemv_bf16_swiglu_N) stage each warp's gate and up rows (GEMV_PRE
+// chunks a lane of each, 8 KB a warp, 64 KB a block) in shared memory the same way, at the end
+// of their dynamic shared memory (the host's TAPEDECK_SWIGLU_ASYNC=on). Today their 64 registers
+// of prefetched weights (96 in all) leave no room beside two of their blocks for a down block.
+#ifndef SWIGLU_ASYNC
+#define SWIGLU_ASYNC 0
+#endif
+#define SWIGLU_STAGE_BYTES (SWIGLU_ASYNC ? GEMV_BLOCK_WARPS * 2 * GEMV_PRE * 32 * 16 : 0)
 
 // 1: the plain GEMV entry points copy an input given as is (not normalized) into shared memory
 // first when the launch has room for it (gemv_x_prologue). Set by the host's
@@ -723,20 +731,26 @@ __device__ __forceinline__ void gemv_stage_wait() {
     __syncwarp();
 }
 
-// The GEMV_STAGE_PRE chunks a lane of warp `warp`'s stage, in chunk order (chunk c at slot c).
-__device__ __forceinline__ uint4* gemv_stage_slot(int warp) {
+// The last `bytes` of the block's dynamic shared memory.
+__device__ __forceinline__ uint4* smem_tail(unsigned int bytes) {
     extern __shared__ uint4 gemv_smem[];
-    return gemv_smem + (dynamic_smem_bytes() - GEMV_STAGE_BYTES) / 16 + warp * GEMV_STAGE_PRE * 32;
+    return gemv_smem + (dynamic_smem_bytes() - bytes) / 16;
 }
 
-// gemv_prefetch into the warp's stage: the first GEMV_STAGE_PRE chunks a lane of row w
-// requested, none past the end or for a warp without a row (those slots are never read).
+// The GEMV_STAGE_PRE chunks a lane of warp `warp`'s stage, in chunk order (chunk c at slot c).
+__device__ __forceinline__ uint4* gemv_stage_slot(int warp) {
+    return smem_tail(GEMV_STAGE_BYTES) + warp * GEMV_STAGE_PRE * 32;
+}
+
+// gemv_prefetch into the warp's stage: the first P chunks a lane of row w requested, none past
+// the end or for a warp without a row (those slots are never read).
+template <int P>
 __device__ __forceinline__ void gemv_stage(const bf16_t* w, int in, int lane, bool live,
                                            uint4* slot) {
     const uint4* wr = (const uint4*)w;
     int chunks = in / 8;
 #pragma unroll
-    for (int u = 0; u < GEMV_STAGE_PRE; u++) {
+    for (int u = 0; u < P; u++) {
         int c = lane + 32 * u;
         if (live && c < chunks) gemv_stage16(slot + c, wr + c);
     }
@@ -804,7 +818,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     Target cur = target(group * per_block + warp / splits);
 #if GEMV_ASYNC && !GEMV_PERSIST
     uint4* slot = gemv_stage_slot(warp);
-    gemv_stage(weights(cur), len, lane, cur.live, slot);
+    gemv_stage<GEMV_STAGE_PRE>(weights(cur), len, lane, cur.live, slot);
     const StagedChunks pre{slot + lane};
 #else
     uint4 pre[GEMV_PRE];
@@ -928,6 +942,21 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     int row = blockIdx.x * GEMV_BLOCK_WARPS + (threadIdx.x >> 5);
     bool live = row < inter;
     size_t at = live ? (size_t)row * in : 0;
+#if SWIGLU_ASYNC && !GEMV_PERSIST
+    uint4* slot_g = smem_tail(SWIGLU_STAGE_BYTES) + (threadIdx.x >> 5) * 2 * GEMV_PRE * 32;
+    uint4* slot_u = slot_g + GEMV_PRE * 32;
+    gemv_stage<GEMV_PRE>(wg + at, in, lane, live, slot_g);
+    gemv_stage<GEMV_PRE>(wu + at, in, lane, live, slot_u);
+    pdl_launch_dependents();
+    pdl_wait();
+    if (norm_w) x = gemv_norm_prologue<N, 32 * GEMV_BLOCK_WARPS>((const float*)x, norm_w, eps, in);
+    gemv_stage_wait();
+    if (!live) return;
+    float g[N], u[N];
+    gemv_row<N, false>(wg + at, StagedChunks{slot_g + lane}, x, in, 0, in, lane, g);
+    gemv_row<N, false>(wu + at, StagedChunks{slot_u + lane}, x, in, 0, in, lane, u);
+    swiglu_store<N>(g, u, bg, bu, out, inter, row, lane);
+#else
     uint4 pre_g[GEMV_PRE], pre_u[GEMV_PRE];
     gemv_prefetch(wg + at, in, lane, live, pre_g);
     gemv_prefetch(wu + at, in, lane, live, pre_u);
@@ -947,6 +976,7 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
         swiglu_store<N>(g, u, bg, bu, out, inter, row, lane);
         if (!more) break;
     }
+#endif
 }
 
 #define SWIGLU_PARAMS                                                                            \

@@ -152,10 +152,14 @@ impl Kernels {
                 .map(|n| load_function(m, &format!("{stem}_{n}")))
                 .collect::<Result<Vec<_>>>()
         };
-        // The plain GEMVs' limit, raised when their weights are staged in shared memory
-        // (`TAPEDECK_GEMV_ASYNC`): the stage plus the 48 KB their input may take.
-        let gemv_rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str| {
-            let stage = super::tune::get().gemv_stage_bytes(super::tune::get().gemv_block);
+        // The GEMVs' limit, raised when their weights are staged in shared memory
+        // (`TAPEDECK_GEMV_ASYNC`, `TAPEDECK_SWIGLU_ASYNC`): the stage plus their input.
+        let t = super::tune::get();
+        let (stage, swiglu_stage) = (
+            t.gemv_stage_bytes(t.gemv_block),
+            t.swiglu_stage_bytes(t.gemv_block),
+        );
+        let staged_rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str, stage: usize| {
             if stage == 0 {
                 return rows(m, stem);
             }
@@ -221,10 +225,10 @@ impl Kernels {
             add_inplace: f("add_inplace")?,
             add_bias: f("add_bias")?,
             f32_to_bf16: f("f32_to_bf16")?,
-            gemv: gemv_rows(&module, "gemv_bf16")?,
-            gemv_swiglu: rows(&module, "gemv_bf16_swiglu")?,
+            gemv: staged_rows(&module, "gemv_bf16", stage)?,
+            gemv_swiglu: staged_rows(&module, "gemv_bf16_swiglu", swiglu_stage)?,
             mlp_flow: [f("mlp_flow_1")?, f("mlp_flow_2")?],
-            gemv_merged: gemv_rows(&fused, "gemv_bf16_merged")?,
+            gemv_merged: staged_rows(&fused, "gemv_bf16_merged", stage)?,
             gemv_stream: f("gemv_stream_bf16_1")?,
             gemv_stream_swiglu: f("gemv_stream_swiglu_1")?,
             l2_prefetch: f("l2_prefetch")?,

@@ -70,6 +70,21 @@ impl MergedSplits {
 /// Dynamic shared memory the GEMV kernels' fused RMSNorm may use (the default per-block limit).
 pub(super) const GEMV_NORM_SMEM: usize = 48 << 10;
 
+/// A GEMV launch's `smem` bytes of dynamic shared memory plus `stage` bytes of weights staged at
+/// its end (`TAPEDECK_GEMV_ASYNC`, `TAPEDECK_SWIGLU_ASYNC`), or an error past what such a launch
+/// may take (the functions' raised limit).
+fn with_stage(smem: usize, stage: usize, n: usize, inp: usize) -> Result<usize> {
+    let total = smem + stage;
+    if total > super::launch::GEMV_SMEM_LIMIT {
+        return Err(Error::Device(format!(
+            "a GEMV of {n} rows of {inp} inputs needs {total} bytes of shared memory with its \
+             staged weights, over the {} it may take",
+            super::launch::GEMV_SMEM_LIMIT
+        )));
+    }
+    Ok(total)
+}
+
 /// Dynamic shared memory for a plain GEMV to copy an as-given input of `n` rows of `inp` into
 /// (`TAPEDECK_GEMV_X_SMEM=on` and it fits the default per-block limit; the kernel copies only when
 /// it gets at least that much), else 0.
@@ -375,15 +390,8 @@ impl Gpu {
         // Staged weights (TAPEDECK_GEMV_ASYNC) take the end of the default kernels' shared memory.
         let smem = match stream {
             Some(_) => smem,
-            None => smem + tune::get().gemv_stage_bytes(block),
+            None => with_stage(smem, tune::get().gemv_stage_bytes(block), n, inp)?,
         };
-        if smem > super::launch::GEMV_SMEM_LIMIT {
-            return Err(Error::Device(format!(
-                "a GEMV of {n} rows of {inp} inputs needs {smem} bytes of shared memory with \
-                 TAPEDECK_GEMV_ASYNC's staged weights, over the {} it may take",
-                super::launch::GEMV_SMEM_LIMIT
-            )));
-        }
         let mut total = 0;
         for j in 0..max_mats {
             a = match mats.get(j) {
@@ -428,16 +436,19 @@ impl Gpu {
         }
         let (a, smem) = x.args(Args::new(), n, gate.inp);
         let block = tune::get().gemv_block;
-        let (kernel, grid, threads) = match self.stream_grid(n, gate.inp) {
+        let (kernel, grid, threads, smem) = match self.stream_grid(n, gate.inp) {
             Some(per_sm) => (
                 &self.k.gemv_stream_swiglu,
                 stream_blocks(self.sms, per_sm, gate.out),
                 32 * GEMV_WARPS,
+                smem,
             ),
             None => (
                 gemv_for(&self.k.gemv_swiglu, n)?,
                 self.gemv_grid(gate.out.div_ceil(block)),
                 32 * block,
+                // Staged weights (TAPEDECK_SWIGLU_ASYNC) at the end of its shared memory.
+                with_stage(smem, tune::get().swiglu_stage_bytes(block), n, gate.inp)?,
             ),
         };
         a.i(n)

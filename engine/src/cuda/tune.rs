@@ -91,6 +91,11 @@
 //!   one-row GEMV: 71 registers, 60 staged) and whether the next kernel's blocks fit beside
 //!   them; 16 with `TAPEDECK_GEMV_SLICE=4096` gives down two warps a row with all 8 KB each in
 //!   flight before the PDL wait. The same bits. Unset or 0: registers.
+//! - `TAPEDECK_SWIGLU_ASYNC=on`: the gate/up kernels stage each warp's gate and up rows (8 chunks
+//!   a lane of each: 8 KB a warp) in shared memory by cp.async the same way (compiled with
+//!   `SWIGLU_ASYNC=1`; launches get `warps · 8 KB` more): 96 → 54 registers for one row, so the
+//!   down blocks after them fit beside their last wave, and the shared memory, not the
+//!   registers, decides how many gate/up blocks an SM holds. The same bits.
 //! - `TAPEDECK_RUN_AHEAD=off`: `Engine::generate` waits for each decode step's token before
 //!   submitting the next (`on`, the default: the next step is enqueued first and reads the token
 //!   on the device, so the host's work between steps overlaps the step). The same tokens either
@@ -275,13 +280,28 @@ pub(crate) struct Tuning {
     /// Chunks a lane the plain GEMVs stage in shared memory through cp.async, 0 for registers
     /// (`TAPEDECK_GEMV_ASYNC`).
     pub gemv_async: usize,
+    /// The gate/up kernels stage their weights in shared memory (`TAPEDECK_SWIGLU_ASYNC=on`).
+    pub swiglu_async: bool,
 }
+
+/// Chunks of 16 bytes a lane the GEMV kernels request before their PDL wait (engine.cu's
+/// `GEMV_PRE`): what the gate/up kernels stage of each of their two rows.
+const GEMV_PRE: usize = 8;
 
 impl Tuning {
     /// The dynamic shared memory a plain GEMV launch of `warps`-warp blocks adds for its staged
     /// weights (`TAPEDECK_GEMV_ASYNC`; 0 when off): 16 bytes a chunk.
     pub fn gemv_stage_bytes(&self, warps: usize) -> usize {
         warps * self.gemv_async * 32 * 16
+    }
+
+    /// The same for a gate/up launch (`TAPEDECK_SWIGLU_ASYNC`): two rows a warp.
+    pub fn swiglu_stage_bytes(&self, warps: usize) -> usize {
+        if self.swiglu_async {
+            warps * 2 * GEMV_PRE * 32 * 16
+        } else {
+            0
+        }
     }
 }
 
@@ -383,6 +403,10 @@ impl Tuning {
             nvrtc_defines.push("-DGEMV_ASYNC=1".into());
             nvrtc_defines.push(format!("-DGEMV_STAGE_PRE={gemv_async}"));
         }
+        let swiglu_async = second(&var, "TAPEDECK_SWIGLU_ASYNC", ["off", "on"]);
+        if swiglu_async {
+            nvrtc_defines.push("-DSWIGLU_ASYNC=1".into());
+        }
         let gemv_x_smem = second(&var, "TAPEDECK_GEMV_X_SMEM", ["off", "on"]);
         if gemv_x_smem {
             nvrtc_defines.push("-DGEMV_X_SMEM=1".into());
@@ -423,6 +447,7 @@ impl Tuning {
             smem_carveout,
             gemv_x_smem,
             gemv_async,
+            swiglu_async,
         }
     }
 }
@@ -518,6 +543,7 @@ mod tests {
                 smem_carveout: None,
                 gemv_x_smem: false,
                 gemv_async: 0,
+                swiglu_async: false,
             }
         );
         let t = parse(&[
@@ -596,6 +622,10 @@ mod tests {
             (0, 0),
             "12 is not a depth"
         );
+        assert_eq!(off.swiglu_stage_bytes(8), 0);
+        let gate_up = parse(&[("TAPEDECK_SWIGLU_ASYNC", "on")]);
+        assert_eq!(gate_up.nvrtc_defines, ["-DSWIGLU_ASYNC=1"]);
+        assert_eq!(gate_up.swiglu_stage_bytes(8), 64 << 10);
         let p = parse(&[(
             "TAPEDECK_L2_PREFETCH",
             "mlp:24, first,mlp:x,o2,down:8,blocks:0",
