@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# For the twenty-second session's first device call (~7 min; after `bash
-# bench/cuda/build_for_device.sh`, copy to .device/call.sh, carry [".device"], timeout ~500).
+# For the twenty-second session's first device call (~8 min; after `bash
+# bench/cuda/build_for_device.sh`, copy to .device/call.sh, carry [".device"], timeout ~540).
 # Two GEMV knobs written after the twenty-first session's last call, bit-identical on the host
 # (ci/gemv_stream_host_check.py), never run on a GPU:
 # - TAPEDECK_GEMV_X_SMEM=on: the plain GEMVs (o, down, the head) copy an as-given input into
@@ -32,7 +32,7 @@ cut -d'|' -f2,4,5 $OUT/sweep-gemv.md
 echo "at ${SECONDS}s"
 bash bench/cuda/trace_step.sh async16 "$A=16+TAPEDECK_GEMV_SLICE=4096" "$B" --layer 3 2>&1 | tail -10
 echo "at ${SECONDS}s"
-TAPEDECK_GEMV_ASYNC=16 TAPEDECK_GEMV_X_SMEM=on TAPEDECK_SWIGLU_ASYNC=on timeout 200 .device/test-cuda --test-threads=1 \
+TAPEDECK_GEMV_ASYNC=16 TAPEDECK_GEMV_X_SMEM=on TAPEDECK_SWIGLU_ASYNC=on timeout 170 .device/test-cuda --test-threads=1 \
   --nocapture > $OUT/test-gemv-knobs.log 2>&1
 echo "tests exit $? at ${SECONDS}s"
 grep -E "^test result|panicked|FAILED" $OUT/test-gemv-knobs.log | head
