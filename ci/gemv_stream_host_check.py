@@ -60,6 +60,7 @@ code = "\n".join(
         # Weights staged by cp.async (a copy here) into a stage of their own.
         "#define GEMV_ASYNC 1\n#define GEMV_STAGE_PRE 16",
         define("GEMV_STAGE_BYTES"),
+        define("GEMV_STAGED"),
         "static uint4 g_stage[GEMV_WARPS * GEMV_STAGE_PRE * 32];",
         "static void gemv_stage16(uint4* dst, const uint4* src) { *dst = *src; }",
         "static void gemv_stage_wait() { __syncwarp(); }",
@@ -91,7 +92,7 @@ code = "\n".join(
         # and with its weights staged in shared memory (GEMV_ASYNC below).
         cut(eng, "template <int N, typename Input>\n__device__ __forceinline__ void gemv_kernel", "void gemv_kernel(")
         .replace("void gemv_kernel(", "void gemv_kernel_regs(")
-        .replace("#if GEMV_ASYNC && !GEMV_PERSIST", "#if 0"),
+        .replace("GEMV_STAGED", "0"),
         cut(eng, "template <int N, typename Input>\n__device__ __forceinline__ void gemv_kernel", "void gemv_kernel("),
         define("GEMV_PARAMS"),
         define("GEMV_ARGS"),

@@ -587,13 +587,14 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
 }
 
 // 1: the plain GEMV entry points (gemv_bf16_N, and the merging ones of decode_fused.cu) request
-// each warp's first GEMV_PRE chunks a lane of weights into shared memory with cp.async instead of
-// into registers (gemv_stage), and read them from there once the input is ready. The bytes a
+// each warp's first GEMV_STAGE_PRE chunks a lane of weights into shared memory with cp.async
+// instead of into registers (gemv_stage), and read them from there once the input is ready. The bytes a
 // block has in flight before its PDL wait then hold no registers: registers, not bytes, are what
 // limit how many GEMV blocks an SM holds (down: three, 96 KB in flight; at four, 128 KB, it ran
 // 3.2 us faster a layer, twenty-first session) and whether the next kernel's blocks fit beside
 // them. The stage is the last GEMV_STAGE_BYTES of the block's dynamic shared memory (the host's
-// TAPEDECK_GEMV_ASYNC=on sets this and adds them to every such launch). The same bits.
+// TAPEDECK_GEMV_ASYNC=8|16 sets this and adds them to every such launch). The same bits. Not with
+// GEMV_PERSIST, whose loop keeps the next row's chunks in registers (GEMV_STAGED below).
 // GEMV_STAGE_PRE: chunks a lane staged (default GEMV_PRE: 4 KB a warp; 16 stages a whole
 // 4096-input slice, TAPEDECK_GEMV_SLICE=4096, which the registers could not hold).
 #ifndef GEMV_ASYNC
@@ -603,6 +604,7 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
 #define GEMV_STAGE_PRE GEMV_PRE
 #endif
 #define GEMV_STAGE_BYTES (GEMV_ASYNC ? GEMV_BLOCK_WARPS * GEMV_STAGE_PRE * 32 * 16 : 0)
+#define GEMV_STAGED (GEMV_ASYNC && !GEMV_PERSIST)
 // 1: the gate/up kernels (gemv_bf16_swiglu_N) stage each warp's gate and up rows (GEMV_PRE
 // chunks a lane of each, 8 KB a warp, 64 KB a block) in shared memory the same way, at the end
 // of their dynamic shared memory (the host's TAPEDECK_SWIGLU_ASYNC=on). Today their 64 registers
@@ -718,14 +720,14 @@ typedef GemvInputOf<32 * GEMV_WARPS> GemvInput;
 #define GEMV_F32_TRIGGER_LATE 0
 #endif
 
-
 // 16 bytes of weights from global to shared memory through L2 only (cp.async, sm_80+).
 __device__ __forceinline__ void gemv_stage16(uint4* dst, const uint4* src) {
     unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
 
-// Waits for this thread's staged chunks; the warp's lanes then see each other's.
+// Waits for this thread's staged chunks (each lane reads back only the chunks it staged), with
+// the warp converged again before its shared-memory reads.
 __device__ __forceinline__ void gemv_stage_wait() {
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncwarp();
@@ -816,7 +818,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     auto weights = [&](const Target& t) { return t.w + (t.live ? (size_t)t.row * in + k0 : 0); };
     int group = blockIdx.x;
     Target cur = target(group * per_block + warp / splits);
-#if GEMV_ASYNC && !GEMV_PERSIST
+#if GEMV_STAGED
     uint4* slot = gemv_stage_slot(warp);
     gemv_stage<GEMV_STAGE_PRE>(weights(cur), len, lane, cur.live, slot);
     const StagedChunks pre{slot + lane};
@@ -830,7 +832,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     if (late) pdl_launch_dependents();
     int x_f32;
     const void* x = input(N, in, &x_f32);
-#if GEMV_ASYNC && !GEMV_PERSIST
+#if GEMV_STAGED
     gemv_stage_wait();
 #endif
     // A persistent grid (GEMV_PERSIST, grid smaller than the row groups) loops over the groups,
@@ -847,11 +849,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
 #pragma unroll
         for (int r = 0; r < N; r++) acc[r] = 0.0f;
         if (cur.live) {
-#if GEMV_ASYNC && !GEMV_PERSIST
-            constexpr int P = GEMV_STAGE_PRE;
-#else
-            constexpr int P = GEMV_PRE;
-#endif
+            constexpr int P = GEMV_STAGED ? GEMV_STAGE_PRE : GEMV_PRE;  // chunks held in `pre`
             if (x_f32)
                 gemv_row<N, true, P>(weights(cur), pre, x, in, k0, len, lane, acc);
             else

@@ -7,8 +7,9 @@ Per launch: blocks; the most blocks resident at once on the GPU and on one SM; b
 (end - start) and time after the PDL wait (end - wait released) at the median and the 90th
 percentile; and, counted from when the launch before it ended, when 50%, 90% and 100% of its
 blocks had ended; and how many of its blocks started on an SM while a block of the launch before
-was still running there (an SM holds blocks of one shared-memory carveout at a time: a kernel
-whose carveout differs from its predecessor's gets none, PDL or not). With --bytes KERNEL=MB (repeatable) it also prints the rate over that last
+was still running there (what PDL's early launch buys: a block needs the SM's registers and
+shared memory left beside the running ones). With --bytes KERNEL=MB (repeatable) it also prints
+the rate over that last
 interval for the kernels whose weight traffic you give (KERNEL/BLOCKS to tell apart launches of
 one kernel by grid size, or @K for the layer's K-th launch, from 0: the streaming GEMV runs o
 and down on the same grid).

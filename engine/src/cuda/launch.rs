@@ -147,26 +147,26 @@ impl Kernels {
         let f = |name: &str| load_function(&module, name);
         let mma = load_module(ctx, &kernels::DECODE_MMA, arch, trace)?;
         let fused = load_module(ctx, &kernels::FUSED, arch, trace)?;
-        let rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str| {
+        // The entry points for 1..=GEMV_MAX_ROWS rows; with staged weights (`stage` bytes,
+        // `TAPEDECK_GEMV_ASYNC`, `TAPEDECK_SWIGLU_ASYNC`) their shared-memory limit raised to
+        // what the stage plus their input may take.
+        let staged_rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str, stage: usize| {
             (1..=GEMV_MAX_ROWS)
-                .map(|n| load_function(m, &format!("{stem}_{n}")))
+                .map(|n| {
+                    let name = format!("{stem}_{n}");
+                    match stage {
+                        0 => load_function(m, &name),
+                        _ => load_with_smem(m, &name, GEMV_SMEM_LIMIT),
+                    }
+                })
                 .collect::<Result<Vec<_>>>()
         };
-        // The GEMVs' limit, raised when their weights are staged in shared memory
-        // (`TAPEDECK_GEMV_ASYNC`, `TAPEDECK_SWIGLU_ASYNC`): the stage plus their input.
+        let rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str| staged_rows(m, stem, 0);
         let t = super::tune::get();
         let (stage, swiglu_stage) = (
             t.gemv_stage_bytes(t.gemv_block),
             t.swiglu_stage_bytes(t.gemv_block),
         );
-        let staged_rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str, stage: usize| {
-            if stage == 0 {
-                return rows(m, stem);
-            }
-            (1..=GEMV_MAX_ROWS)
-                .map(|n| load_with_smem(m, &format!("{stem}_{n}"), GEMV_SMEM_LIMIT))
-                .collect::<Result<Vec<_>>>()
-        };
         let prefill = match head_dim {
             32 | 64 | 128 => Some(load_module(ctx, &kernels::PREFILL, arch, trace)?),
             _ => None,

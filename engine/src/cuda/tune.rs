@@ -107,11 +107,11 @@
 //! - `TAPEDECK_SMEM_CARVEOUT=P` (0-100): every kernel's preferred shared-memory carveout, the
 //!   percentage of the SM's unified L1/shared memory given to shared memory
 //!   (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`). Unset: the driver picks one per
-//!   kernel from its needs. An SM runs blocks of one carveout at a time, so a kernel that gets a
-//!   different one from the kernel before it cannot start its blocks (PDL or not) on an SM until
-//!   that SM has drained; the GEMVs (a few KB of shared memory) and the mma attention (64 KB a
-//!   block) likely get different ones. One value for all lets consecutive kernels share SMs.
-//!   Only timing changes.
+//!   kernel from its needs. Written to test whether consecutive kernels given different
+//!   carveouts (the GEMVs, a few KB of shared memory; the mma attention, 64 KB a block) wait for
+//!   SMs to drain between them. Measured slower at every value (llama-1b batch-1 decode on an
+//!   H100, twenty-first session: 805 / 815 / 709 tok/s at 100 / 50 / 0 against 879): the
+//!   driver's per-kernel choice stays. Only timing changes.
 //! - `TAPEDECK_TRACE=path`: compile the kernels with `TD_TRACE=1` and record a per-block timeline
 //!   of every launch (cuda/trace.rs), saved to `path` as CSV by `bench engine`.
 
@@ -284,10 +284,6 @@ pub(crate) struct Tuning {
     pub swiglu_async: bool,
 }
 
-/// Chunks of 16 bytes a lane the GEMV kernels request before their PDL wait (engine.cu's
-/// `GEMV_PRE`): what the gate/up kernels stage of each of their two rows.
-const GEMV_PRE: usize = 8;
-
 impl Tuning {
     /// The dynamic shared memory a plain GEMV launch of `warps`-warp blocks adds for its staged
     /// weights (`TAPEDECK_GEMV_ASYNC`; 0 when off): 16 bytes a chunk.
@@ -295,10 +291,11 @@ impl Tuning {
         warps * self.gemv_async * 32 * 16
     }
 
-    /// The same for a gate/up launch (`TAPEDECK_SWIGLU_ASYNC`): two rows a warp.
+    /// The same for a gate/up launch (`TAPEDECK_SWIGLU_ASYNC`): two rows a warp, each what a
+    /// warp prefetches (`GEMV_SLICE` bf16 inputs).
     pub fn swiglu_stage_bytes(&self, warps: usize) -> usize {
         if self.swiglu_async {
-            warps * 2 * GEMV_PRE * 32 * 16
+            warps * 2 * super::linears::GEMV_SLICE * 2
         } else {
             0
         }
