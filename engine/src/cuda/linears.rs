@@ -86,7 +86,7 @@ fn with_stage(smem: usize, stage: usize, n: usize, inp: usize) -> Result<usize> 
 }
 
 /// Dynamic shared memory for a plain GEMV to copy an as-given input of `n` rows of `inp` into
-/// (`TAPEDECK_GEMV_X_SMEM=on` and it fits the default per-block limit; the kernel copies only when
+/// (unless `TAPEDECK_GEMV_X_SMEM=off`, and where it fits the default per-block limit; the kernel copies only when
 /// it gets at least that much), else 0.
 fn x_stage_smem(n: usize, inp: usize) -> usize {
     let bytes = n * inp * 2;
