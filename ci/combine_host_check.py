@@ -13,6 +13,12 @@ random partials for head_dim 64 and 128, 1 to 16 splits, GQA groups 1 to 4, some
 the maximum (weight 0), and compares every output bit for bit. It also checks that the fast merge
 declines (returns false, writes nothing) where its registers do not cover the splits.
 
+It then runs the o GEMV's own merge (kernels/decode_fused.cu, `MergedSplits`: `staged`, every
+split copied into shared memory first, and `in_registers`) over 1 to 4 rows of 2 to 8 query heads
+with 0 to 8 splits each (an empty context, one split written by the mma kernel, several merged),
+and compares the bf16 inputs it leaves in shared memory bit for bit with the combine's output
+rounded as the plain GEMV rounds it.
+
 It checks the index arithmetic and the summation order, not the GPU's memory model or ex2's
 rounding: the GPU tests (mma kernel against the CPU, graphs and pdl=all bit for bit) do that.
 
@@ -23,6 +29,16 @@ import re
 from cuda_host import cut, run, source
 
 mma = source("decode_attention_mma.cu")
+eng = source("engine.cu")
+fused = source("decode_fused.cu")
+merged = cut(fused, "struct MergedSplits {", "const void* in_registers(") + "\n};"
+# Host copies are done when issued: nothing to wait for; the block's shared memory is a static.
+merged = merged.replace('asm volatile("cp.async.wait_all;" ::: "memory");', "").replace(
+    "extern __shared__ uint4 gemv_smem[];", ""
+)
+merge_group = re.search(r"#define MERGE_GROUP (\d+)", fused).group(1)
+gemv_max_rows = re.search(r"#define GEMV_MAX_ROWS (\d+)", eng).group(1)
+bf16 = cut(eng, "typedef unsigned short bf16_t;", "f32_to_bf16_bits(")
 merges = cut(mma, "template <int PT>\n__device__ __forceinline__ void combine_head_t", "combine_head_t(")
 fast = cut(mma, "#ifndef MG_U", "combine_group_fast(")
 combine_threads = re.search(r"#define DA_COMBINE_THREADS (\d+)", mma).group(1)
@@ -39,6 +55,69 @@ static float ex2(float x) { return std::exp2(x); }
 }
 @@MERGES@@
 @@FAST@@
+#define MERGE_GROUP @@MERGE_GROUP@@
+#define GEMV_MAX_ROWS @@GEMV_MAX_ROWS@@
+static uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+@@BF16@@
+static uint4 gemv_smem[(100 << 10) / 16];
+static void gemv_stage16(uint4* dst, const uint4* src) { *dst = *src; }
+static void merge_stage8(void* dst, const void* src) { memcpy(dst, src, 8); }
+@@MERGED@@
+
+// The o GEMV's merge of n rows (heads nh, head_dim hd; sequence r = row r) by one of its two
+// paths: the bf16 inputs it leaves for the GEMV.
+static std::vector<bf16_t> gemv_merge(bool staged, int n, const std::vector<float>& att, const std::vector<float>& po,
+                                      const std::vector<float>& ml, const std::vector<int>& ctx, int nh, int hd,
+                                      int split_len, int ms) {
+  const int in = nh * hd;
+  memset(gemv_smem, 0xff, sizeof gemv_smem);  // poisoned
+  MergedSplits m{att.data(), po.data(), ml.data(), ctx.data(), nh, hd, split_len, ms};
+  launch(dim3{1, 1, 1}, 256, [&] {
+    if (staged) m.staged(n, in); else m.in_registers(n, in);
+  });
+  const bf16_t* xs = (const bf16_t*)gemv_smem;
+  return std::vector<bf16_t>(xs, xs + (size_t)n * in);
+}
+
+static int check_gemv_merges(std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  int fails = 0, compared = 0;
+  for (int trial = 0; trial < 60; trial++) {
+    const int hd = trial % 2 ? 128 : 64, nh = 2 * (1 + rng() % 4), n = 1 + rng() % 4, in = nh * hd;
+    const int split_len = 16 * (1 + rng() % 4), ms = 1 + rng() % 8;
+    std::vector<int> ctx(n);
+    for (auto& c : ctx) c = (int)(rng() % (split_len * ms + 1)) - (rng() % 8 == 0 ? split_len : 0);
+    std::vector<float> po((size_t)n * nh * ms * hd), ml((size_t)n * nh * ms * 2), att((size_t)n * in);
+    for (auto& v : po) v = nd(rng);
+    for (auto& v : att) v = nd(rng);
+    for (size_t i = 0; i < ml.size(); i += 2) {
+      ml[i] = nd(rng) * 4.f - (rng() % 5 == 0 ? 200.f : 0.f);
+      ml[i + 1] = 1.f + std::fabs(nd(rng)) * 30.f;
+    }
+    // What the plain GEMV would read: the combine's output (the mma kernel's own for one split, 0
+    // for an empty context), rounded to bf16.
+    std::vector<float> out = att;
+    for (int r = 0; r < n; r++)
+      for (int h = 0; h < nh; h++)
+        launch(dim3{1, 1, 1}, DA_COMBINE_THREADS, [&] {
+          combine_head_t<DA_COMBINE_THREADS>(out.data(), po.data(), ml.data(), ctx.data(), nh, hd, split_len, ms, h, r);
+        });
+    for (bool staged : {true, false}) {
+      // The host stages only what fits its 72 KB (MERGE_STAGED_SMEM, engine/src/cuda/linears.rs).
+      const size_t need = (size_t)n * in * 2 + 4 * (size_t)n * nh * ms * (hd + 2);
+      if (staged && need > (72 << 10)) continue;
+      std::vector<bf16_t> got = gemv_merge(staged, n, att, po, ml, ctx, nh, hd, split_len, ms);
+      compared++;
+      int bad = 0;
+      for (size_t i = 0; i < got.size(); i++) bad += got[i] != f32_to_bf16_bits(out[i]);
+      if (bad && fails++ < 5)
+        printf("o GEMV merge (%s), %d rows, head_dim %d, %d heads, %d max splits: %d inputs differ\n",
+               staged ? "staged" : "in registers", n, hd, nh, ms, bad);
+    }
+  }
+  printf("o GEMV merges: %d bit-compared with the combine, %d failures\n", compared, fails);
+  return fails || compared < 80;
+}
 
 // The merge of `group` heads from head0 by one of the three, into out (poisoned first).
 enum Kind { PER_HEAD, FAST_KERNEL_MERGE, FAST_COMBINE };
@@ -118,6 +197,7 @@ int main() {
   }
   printf("split merges: %d fast merges bit-compared with the per-head combine (%d declined), %d failures\n",
          compared, declined, fails);
+  fails += check_gemv_merges(rng);
   return fails || compared < 20 ? 1 : 0;
 }
 """
@@ -128,5 +208,9 @@ code = (
     .replace("@@COMBINE_R@@", combine_r)
     .replace("@@MERGES@@", merges)
     .replace("@@FAST@@", fast)
+    .replace("@@MERGE_GROUP@@", merge_group)
+    .replace("@@GEMV_MAX_ROWS@@", gemv_max_rows)
+    .replace("@@BF16@@", bf16)
+    .replace("@@MERGED@@", merged)
 )
 run(code, "combine_host_check")

@@ -12,12 +12,36 @@
 #define MERGE_GROUP 8
 #endif
 
+// 1 (the default): MergedSplits first copies every split's partial outputs and (max, sum) pairs of
+// every row into shared memory with cp.async, all requested in one round, and merges from there:
+// one wait for L2 after the PDL wait, with no registers held for the partials (the merge in
+// registers waits three times, and takes the one-row kernel from 79 to 126 registers). The
+// launch's dynamic shared memory then holds n * num_heads * max_splits * (head_dim + 2) floats
+// more (the host's MergedSplits::smem). 0: the merge in registers (the host's
+// TAPEDECK_MERGE_STAGED=off).
+#ifndef MERGE_STAGED
+#define MERGE_STAGED 1
+#endif
+
+// The one-row merging GEMV's __launch_bounds__ minimum of blocks an SM. With the staged merge, 3
+// caps it at 80 registers (76, no spills; 89 uncapped), as the plain one-row GEMV's 79: two of its
+// blocks then leave room on an SM for a gate/up block launched early beside them.
+#ifndef MERGE1_MIN_BLOCKS
+#define MERGE1_MIN_BLOCKS (MERGE_STAGED ? 3 : GEMV_MIN_BLOCKS)
+#endif
+
+// 8 bytes from global to shared memory (cp.async through L1; 8-byte copies may not bypass it).
+__device__ __forceinline__ void merge_stage8(void* dst, const void* src) {
+    unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
+}
+
 // The o projection's input (see GemvInput in engine.cu): the n rows of attention output merged from
 // the splits as decode_attn_combine would write them, rounded to bf16 into shared memory. Dynamic
-// shared memory: n * in * 2 bytes of inputs, then n * num_heads * (3 * max_splits + 1) floats (split
-// weights, weight sums, and a copy of the splits' (max, sum) pairs). Every block merges all rows
-// (it needs all of them), reading n * in * splits partial values from L2: the host fuses the merge
-// only for a few splits.
+// shared memory: n * in * 2 bytes of inputs, then either every split staged (staged(), MERGE_STAGED)
+// or n * num_heads * (3 * max_splits + 1) floats (in_registers(): split weights, weight sums, and a
+// copy of the splits' (max, sum) pairs). Every block merges all rows (it needs all of them),
+// reading n * in * splits partial values from L2: the host fuses the merge only for a few splits.
 //
 // combine_head_t's arithmetic exactly, with its DA_COMBINE_THREADS-thread layout: the split weight
 // w_s = 2^(m_s - max m) * l_s; DA_COMBINE_THREADS / head_dim parts, part p summing w_s * O_s and
@@ -41,10 +65,109 @@ struct MergedSplits {
     }
 
     // The merge is latency-bound (a few KB from L2 before the GEMV can start), so it is laid out to
-    // wait for memory as few times as possible: the split statistics are copied to shared memory in
-    // one round; then each thread takes MERGE_GROUP outputs at once, so that for every split the
-    // group's partial values are requested together.
+    // wait for memory as few times as possible.
     __device__ __forceinline__ const void* operator()(int n, int in, int* f32) const {
+        *f32 = 0;
+        // One or the other compiled in: the kernel's registers are its larger path's.
+#if MERGE_STAGED
+        return staged(n, in);
+#else
+        return in_registers(n, in);
+#endif
+    }
+
+    // Every split a row has, copied to shared memory in one round of cp.async (a row with one
+    // split: the mma kernel's output, in split 0's place), then merged from there by threads that
+    // each take 4 outputs of one head at a time (8 would hold 16 registers more across the GEMV's
+    // prefetched weights). Shared memory after the merged rows xs: the partial outputs (n, heads, max_splits,
+    // head_dim), then the (max, sum) pairs (n, heads, max_splits, 2), f32. Requires head_dim % 4
+    // == 0, in == num_heads * head_dim and that shared memory (the host fuses the merge only then).
+    __device__ __forceinline__ const void* staged(int n, int in) const {
+        extern __shared__ uint4 gemv_smem[];
+        bf16_t* xs = (bf16_t*)gemv_smem;
+        float* po = (float*)(xs + (size_t)n * in);  // n * in * 2 is a multiple of 16 (in % 8 == 0)
+        float* mls = po + (size_t)n * num_heads * max_splits * head_dim;
+        int ns[GEMV_MAX_ROWS];
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; r++) ns[r] = r < n ? splits(r) : 0;
+        auto row_splits = [&](int r) {
+            int v = ns[0];
+#pragma unroll
+            for (int k = 1; k < GEMV_MAX_ROWS; k++)
+                if (r == k) v = ns[k];
+            return v;
+        };
+        // Partial outputs, 16 bytes a copy: chunk c of (row, head, split) block rhs.
+        const int hd4 = head_dim / 4, per_rh = max_splits * hd4;
+        const int chunks = n * num_heads * per_rh;
+        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+            const int rh = c / per_rh, s = c % per_rh / hd4, q = c % hd4;
+            const int k = row_splits(rh / num_heads);
+            if (k > 1 && s < k)
+                gemv_stage16((uint4*)po + c, (const uint4*)partial_out + c);
+            else if (k == 1 && s == 0)
+                gemv_stage16((uint4*)po + c, (const uint4*)att + (size_t)rh * hd4 + q);
+        }
+        for (int i = threadIdx.x; i < n * num_heads * max_splits; i += blockDim.x) {
+            const int k = row_splits(i / (num_heads * max_splits));
+            if (k > 1 && i % max_splits < k) merge_stage8(mls + 2 * i, partial_ml + 2 * i);
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();
+        // combine_head_t's arithmetic: the maximum, then DA_COMBINE_THREADS / head_dim parts, part
+        // p summing w_s * O_s and w_s over splits p, p + parts, ... in order, then the parts in
+        // order; out = A / W.
+        const int parts = DA_COMBINE_THREADS / head_dim;
+        for (int e0 = 4 * threadIdx.x; e0 < n * in; e0 += 4 * blockDim.x) {
+            const int r = e0 / in, rh = e0 / head_dim, d0 = e0 % head_dim;
+            const int k = row_splits(r);
+            const float* o = po + (size_t)rh * max_splits * head_dim + d0;
+            float v[4];
+            if (k == 1) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) v[i] = o[i];
+            } else if (k <= 0) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) v[i] = 0.f;
+            } else {
+                const float* ml = mls + (size_t)rh * max_splits * 2;
+                float M = da::neg_inf();
+                for (int s = 0; s < k; s++) M = fmaxf(M, ml[2 * s]);  // exact in any order
+                float A[4], W = 0.f;
+#pragma unroll
+                for (int i = 0; i < 4; i++) A[i] = 0.f;
+                for (int p = 0; p < parts; p++) {
+                    float acc[4], wsum = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) acc[i] = 0.f;
+                    for (int s = p; s < k; s += parts) {
+                        const float wt = da::ex2(ml[2 * s] - M) * ml[2 * s + 1];
+                        const float4 a = *(const float4*)(o + (size_t)s * head_dim);
+                        const float os[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+                        for (int i = 0; i < 4; i++) acc[i] += wt * os[i];
+                        wsum += wt;
+                    }
+#pragma unroll
+                    for (int i = 0; i < 4; i++) A[i] += acc[i];
+                    W += wsum;
+                }
+#pragma unroll
+                for (int i = 0; i < 4; i++) v[i] = A[i] / W;
+            }
+            auto pair = [](float lo, float hi) {
+                return (unsigned int)f32_to_bf16_bits(lo) | ((unsigned int)f32_to_bf16_bits(hi) << 16);
+            };
+            *(uint2*)(xs + e0) = make_uint2(pair(v[0], v[1]), pair(v[2], v[3]));
+        }
+        __syncthreads();
+        return xs;
+    }
+
+    // The merge in registers: the split statistics are copied to shared memory in one round; then
+    // each thread takes MERGE_GROUP outputs at once, so that for every split the group's partial
+    // values are requested together.
+    __device__ __forceinline__ const void* in_registers(int n, int in) const {
         constexpr int G = MERGE_GROUP;
         extern __shared__ uint4 gemv_smem[];
         bf16_t* xs = (bf16_t*)gemv_smem;
@@ -119,7 +242,6 @@ struct MergedSplits {
             }
         }
         __syncthreads();
-        *f32 = 0;
         return xs;
     }
 };
@@ -137,7 +259,7 @@ struct MergedSplits {
 // the combine kernel's output would compute it, bit for bit. Requires head_dim <= 256 (as the
 // combine) and every row a decode row of the mma pass, in order (row r = its sequence r).
 // grid (ceil(out * splits / GEMV_BLOCK_WARPS)), block 32 * GEMV_BLOCK_WARPS, dynamic smem as MergedSplits says.
-extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_merged_1(GEMV_MERGED_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * GEMV_BLOCK_WARPS, MERGE1_MIN_BLOCKS) gemv_bf16_merged_1(GEMV_MERGED_PARAMS) {
     TD_SCOPE("gemv_bf16_merged_1");
     gemv_kernel<1>(GEMV_MERGED_ARGS);
 }

@@ -147,21 +147,21 @@ impl Kernels {
         let f = |name: &str| load_function(&module, name);
         let mma = load_module(ctx, &kernels::DECODE_MMA, arch, trace)?;
         let fused = load_module(ctx, &kernels::FUSED, arch, trace)?;
-        // The entry points for 1..=GEMV_MAX_ROWS rows; with staged weights (`stage` bytes,
-        // `TAPEDECK_GEMV_ASYNC`, `TAPEDECK_SWIGLU_ASYNC`) their shared-memory limit raised to
-        // what the stage plus their input may take.
-        let staged_rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str, stage: usize| {
+        // The entry points for 1..=GEMV_MAX_ROWS rows; where they stage in shared memory (weights,
+        // `TAPEDECK_GEMV_ASYNC`, `TAPEDECK_SWIGLU_ASYNC`; the merge's splits,
+        // `TAPEDECK_MERGE_STAGED`) their shared-memory limit raised to GEMV_SMEM_LIMIT.
+        let staged_rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str, raise: bool| {
             (1..=GEMV_MAX_ROWS)
                 .map(|n| {
                     let name = format!("{stem}_{n}");
-                    match stage {
-                        0 => load_function(m, &name),
-                        _ => load_with_smem(m, &name, GEMV_SMEM_LIMIT),
+                    match raise {
+                        false => load_function(m, &name),
+                        true => load_with_smem(m, &name, GEMV_SMEM_LIMIT),
                     }
                 })
                 .collect::<Result<Vec<_>>>()
         };
-        let rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str| staged_rows(m, stem, 0);
+        let rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str| staged_rows(m, stem, false);
         let t = super::tune::get();
         let (stage, swiglu_stage) = (
             t.gemv_stage_bytes(t.gemv_block),
@@ -225,10 +225,10 @@ impl Kernels {
             add_inplace: f("add_inplace")?,
             add_bias: f("add_bias")?,
             f32_to_bf16: f("f32_to_bf16")?,
-            gemv: staged_rows(&module, "gemv_bf16", stage)?,
-            gemv_swiglu: staged_rows(&module, "gemv_bf16_swiglu", swiglu_stage)?,
+            gemv: staged_rows(&module, "gemv_bf16", stage > 0)?,
+            gemv_swiglu: staged_rows(&module, "gemv_bf16_swiglu", swiglu_stage > 0)?,
             mlp_flow: [f("mlp_flow_1")?, f("mlp_flow_2")?],
-            gemv_merged: staged_rows(&fused, "gemv_bf16_merged", stage)?,
+            gemv_merged: staged_rows(&fused, "gemv_bf16_merged", stage > 0 || t.merge_staged)?,
             gemv_stream: f("gemv_stream_bf16_1")?,
             gemv_stream_swiglu: f("gemv_stream_swiglu_1")?,
             l2_prefetch: f("l2_prefetch")?,

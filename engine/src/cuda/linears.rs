@@ -60,12 +60,26 @@ pub(super) struct MergedSplits {
 pub(super) const FUSED_MERGE_MAX_SPLITS: usize = 8;
 
 impl MergedSplits {
-    /// Dynamic shared memory of the merging GEMV over `n` rows of `inp` inputs: the merged rows
-    /// in bf16, then the split weights, their sums and the splits' (max, sum) pairs in f32.
-    pub(super) fn smem(&self, n: usize, inp: usize) -> usize {
-        n * inp * 2 + 4 * n * self.heads * (3 * self.max_splits + 1)
+    /// Dynamic shared memory of the merging GEMV over `n` rows of `inp` inputs, or `None` where
+    /// the merge cannot be fused (then the combine kernel merges): the merged rows in bf16, then
+    /// every split's partial outputs and (max, sum) pairs in f32, staged by the kernel
+    /// (`TAPEDECK_MERGE_STAGED`, on unless `off`: needs `head_dim % 4 == 0` and at most
+    /// [`MERGE_STAGED_SMEM`]), or with `off` the split weights, their sums and the (max, sum)
+    /// pairs (within the default 48 KB).
+    pub(super) fn smem(&self, n: usize, inp: usize) -> Option<usize> {
+        let rows = n * inp * 2;
+        if tune::get().merge_staged {
+            let staged = rows + 4 * n * self.heads * self.max_splits * (self.head_dim + 2);
+            let fits = self.head_dim.is_multiple_of(4) && inp == self.heads * self.head_dim;
+            (fits && staged <= MERGE_STAGED_SMEM).then_some(staged)
+        } else {
+            let registers = rows + 4 * n * self.heads * (3 * self.max_splits + 1);
+            (registers <= GEMV_NORM_SMEM).then_some(registers)
+        }
     }
 }
+
+pub(super) const MERGE_STAGED_SMEM: usize = 72 << 10;
 
 /// Dynamic shared memory the GEMV kernels' fused RMSNorm may use (the default per-block limit).
 pub(super) const GEMV_NORM_SMEM: usize = 48 << 10;
@@ -100,9 +114,10 @@ fn x_stage_smem(n: usize, inp: usize) -> usize {
 impl GemvIn {
     /// Appends the kernels' input arguments: `(x, x_f32, norm_w, eps)`, or for `Merged` the
     /// merge's `(att, partial_out, partial_ml, ctx, heads, head_dim, split_len, max_splits)`;
-    /// returns the dynamic shared memory the launch needs.
-    pub(super) fn args(self, a: Args, n: usize, inp: usize) -> (Args, usize) {
-        match self {
+    /// returns the dynamic shared memory the launch needs, or an error for a merge that does not
+    /// fit (the pass fuses only merges that do).
+    pub(super) fn args(self, a: Args, n: usize, inp: usize) -> Result<(Args, usize)> {
+        Ok(match self {
             GemvIn::Bf16(x) => (a.p(x).i(0).p(0).f(0.0), 0),
             GemvIn::F32(x) => (a.p(x).i(1).p(0).f(0.0), 0),
             GemvIn::Normed { x, w, eps } => (a.p(x).i(0).p(w).f(eps), n * inp * 2),
@@ -115,9 +130,14 @@ impl GemvIn {
                     .i(m.head_dim)
                     .i(m.split_len)
                     .i(m.max_splits),
-                m.smem(n, inp),
+                m.smem(n, inp).ok_or_else(|| {
+                    Error::Device(format!(
+                        "the o GEMV cannot merge {} splits of {n} rows of {inp} inputs itself",
+                        m.max_splits
+                    ))
+                })?,
             ),
-        }
+        })
     }
 }
 
@@ -361,7 +381,7 @@ impl Gpu {
         let inp = mats.first().map_or(0, |(l, _)| l.inp);
         let block = tune::get().gemv_block;
         let splits = gemv_splits(inp, n, tune::get().gemv_slice).min(block);
-        let (a, smem) = x.args(Args::new(), n, inp);
+        let (a, smem) = x.args(Args::new(), n, inp)?;
         let smem = match x {
             GemvIn::Bf16(_) | GemvIn::F32(_) => x_stage_smem(n, inp),
             _ => smem,
@@ -434,7 +454,7 @@ impl Gpu {
                 "the fused gate/up kernel takes bf16 or normalized input".into(),
             ));
         }
-        let (a, smem) = x.args(Args::new(), n, gate.inp);
+        let (a, smem) = x.args(Args::new(), n, gate.inp)?;
         let block = tune::get().gemv_block;
         let (kernel, grid, threads, smem) = match self.stream_grid(n, gate.inp) {
             Some(per_sm) => (
@@ -492,7 +512,7 @@ impl Gpu {
         }
         let (gate, up, down) = (&layer.gate, &layer.up, &layer.down);
         let (hidden, inter, s) = (gate.inp, gate.out, flow.splits);
-        let (a, smem) = x.args(Args::new(), n, hidden);
+        let (a, smem) = x.args(Args::new(), n, hidden)?;
         let grid = s * (inter / s / GEMV_WARPS + hidden / (tune::get().mlp_drows * GEMV_WARPS));
         a.i(n)
             .i(hidden)
@@ -578,7 +598,7 @@ impl Gpu {
                 "the fused q/k/v kernel takes bf16 or normalized input and f32 or bf16 KV".into(),
             ));
         }
-        let (a, smem) = x.args(Args::new(), n, layer.q.inp);
+        let (a, smem) = x.args(Args::new(), n, layer.q.inp)?;
         let mut a = a.i(n).i(layer.q.inp);
         for l in [&layer.q, &layer.k, &layer.v] {
             a = a.p(l.w_bf16.ptr).p(bias(l));

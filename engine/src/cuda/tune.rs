@@ -84,6 +84,14 @@
 //!   for 16 MB of f32 input at the same moment, right after their PDL wait. The same values in
 //!   the same order (f32 is rounded to bf16 as the kernel rounds it on the fly): the same bits.
 //!   Batch-1 decode on an H100: 911 tok/s with the copy, 876 without (twenty-second session).
+//! - `TAPEDECK_MERGE_STAGED=off`: the o GEMV that merges the mma decode kernel's splits itself
+//!   (`TAPEDECK_FUSE=...,merge`) merges them in registers, three waits for L2 after its PDL wait
+//!   (compiled with `MERGE_STAGED=0`), instead of first copying every split's partial outputs and
+//!   (max, sum) pairs into shared memory by cp.async in one round (`on`, the default; the launch
+//!   then takes `n · heads · max_splits · (head_dim + 2) · 4` bytes more, up to 72 KB, so the
+//!   merging functions' limit is raised). The register merge takes the one-row kernel from 79 to
+//!   126 registers and measured 801 against 852 tok/s without the fusion (seventeenth session).
+//!   The same bits either way.
 //! - `TAPEDECK_GEMV_ASYNC=8|16`: the plain GEMV kernels (o, down, the head, and the merging o
 //!   GEMV of `fuse=...,merge`) request each warp's first 8 or 16 chunks a lane of weights (4 or
 //!   8 KB a warp) into shared memory with cp.async, not into registers (compiled with
@@ -279,6 +287,9 @@ pub(crate) struct Tuning {
     /// The plain GEMVs stage an as-given input in shared memory (`TAPEDECK_GEMV_X_SMEM`, on unless
     /// `off`).
     pub gemv_x_smem: bool,
+    /// The merging o GEMV (`TAPEDECK_FUSE=...,merge`) stages the splits in shared memory by
+    /// cp.async before merging (`TAPEDECK_MERGE_STAGED`, on unless `off`).
+    pub merge_staged: bool,
     /// Chunks a lane the plain GEMVs stage in shared memory through cp.async, 0 for registers
     /// (`TAPEDECK_GEMV_ASYNC`).
     pub gemv_async: usize,
@@ -410,6 +421,10 @@ impl Tuning {
         if !gemv_x_smem {
             nvrtc_defines.push("-DGEMV_X_SMEM=0".into());
         }
+        let merge_staged = !second(&var, "TAPEDECK_MERGE_STAGED", ["on", "off"]);
+        if !merge_staged {
+            nvrtc_defines.push("-DMERGE_STAGED=0".into());
+        }
         let mma_merge = [MmaMerge::Kernel, MmaMerge::InKernel, MmaMerge::Cluster][choice(
             &var,
             "TAPEDECK_MMA_MERGE",
@@ -445,6 +460,7 @@ impl Tuning {
             pdl_attn,
             smem_carveout,
             gemv_x_smem,
+            merge_staged,
             gemv_async,
             swiglu_async,
         }
@@ -541,6 +557,7 @@ mod tests {
                 pdl_attn: false,
                 smem_carveout: None,
                 gemv_x_smem: true,
+                merge_staged: true,
                 gemv_async: 0,
                 swiglu_async: false,
             }
@@ -609,6 +626,9 @@ mod tests {
             "the copy is compiled out"
         );
         assert!(parse(&[("TAPEDECK_GEMV_X_SMEM", "no")]).gemv_x_smem);
+        let registers = parse(&[("TAPEDECK_MERGE_STAGED", "off")]);
+        assert!(!registers.merge_staged);
+        assert_eq!(registers.nvrtc_defines, ["-DMERGE_STAGED=0"]);
         let staged = parse(&[("TAPEDECK_GEMV_ASYNC", "16")]);
         assert_eq!(
             staged.nvrtc_defines,
