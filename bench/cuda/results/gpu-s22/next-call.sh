@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The twenty-second session's second device call (~5 min; after `bash
-# bench/cuda/build_for_device.sh`, copied to .device/call.sh, carry [".device"]).
+# For the twenty-third session's first device call (~5 min; after `bash
+# bench/cuda/build_for_device.sh`, copy to .device/call.sh, carry [".device"], timeout ~420). Written
+# for the twenty-second session's second call, which could not start (budget spent on refused starts).
 # TAPEDECK_GEMV_X_SMEM is on by default since call1 (911 against 876 tok/s). (1) The o GEMV
 # merging the attention splits itself (TAPEDECK_FUSE=rope,merge,head) with the new staged merge
 # (every split copied to shared memory by cp.async in one round, 76 registers; the register merge,
