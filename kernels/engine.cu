@@ -596,7 +596,8 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
 // TAPEDECK_GEMV_ASYNC=8|16 sets this and adds them to every such launch). The same bits. Not with
 // GEMV_PERSIST, whose loop keeps the next row's chunks in registers (GEMV_STAGED below).
 // GEMV_STAGE_PRE: chunks a lane staged (default GEMV_PRE: 4 KB a warp; 16 stages a whole
-// 4096-input slice, TAPEDECK_GEMV_SLICE=4096, which the registers could not hold).
+// 4096-input slice, TAPEDECK_GEMV_SLICE=4096, which the registers could not hold). Measured on an
+// H100 (twenty-second session): 8 is 4.6% slower, 16 with two warps a down row 10%; off.
 #ifndef GEMV_ASYNC
 #define GEMV_ASYNC 0
 #endif
@@ -607,8 +608,9 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
 #define GEMV_STAGED (GEMV_ASYNC && !GEMV_PERSIST)
 // 1: the gate/up kernels (gemv_bf16_swiglu_N) stage each warp's gate and up rows (GEMV_PRE
 // chunks a lane of each, 8 KB a warp, 64 KB a block) in shared memory the same way, at the end
-// of their dynamic shared memory (the host's TAPEDECK_SWIGLU_ASYNC=on). Today their 64 registers
-// of prefetched weights (96 in all) leave no room beside two of their blocks for a down block.
+// of their dynamic shared memory (the host's TAPEDECK_SWIGLU_ASYNC=on). Their 64 registers of
+// prefetched weights (96 in all) leave no room beside two of their blocks for a down block; staged,
+// down does start beside them, but the whole is 6% slower (H100, twenty-second session); off.
 #ifndef SWIGLU_ASYNC
 #define SWIGLU_ASYNC 0
 #endif
