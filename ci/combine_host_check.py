@@ -38,7 +38,7 @@ merged = merged.replace('asm volatile("cp.async.wait_all;" ::: "memory");', "").
 )
 merge_group = re.search(r"#define MERGE_GROUP (\d+)", fused).group(1)
 gemv_max_rows = re.search(r"#define GEMV_MAX_ROWS (\d+)", eng).group(1)
-bf16 = cut(eng, "typedef unsigned short bf16_t;", "f32_to_bf16_bits(")
+bf16 = cut(eng, "typedef unsigned short bf16_t;", "bf16x2_bits(")
 merges = cut(mma, "template <int PT>\n__device__ __forceinline__ void combine_head_t", "combine_head_t(")
 fast = cut(mma, "#ifndef MG_U", "combine_group_fast(")
 combine_threads = re.search(r"#define DA_COMBINE_THREADS (\d+)", mma).group(1)

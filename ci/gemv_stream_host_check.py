@@ -43,7 +43,7 @@ def default(name):
 code = "\n".join(
     [
         "#define __global__\n#define __launch_bounds__(a, b)\n#define TD_SCOPE(name)\n#define TD_WAITED()",
-        cut(eng, "typedef unsigned short bf16_t;", "f32_to_bf16_bits("),
+        cut(eng, "typedef unsigned short bf16_t;", "bf16x2_bits("),
         cut(eng, "__device__ __forceinline__ float warp_sum", "block_sum("),
         cut(eng, "template <int V>\n__device__ float block_sum_as_256", "block_sum_as_256("),
         cut(eng, "__device__ __forceinline__ void pdl_wait()", "pdl_launch_dependents("),

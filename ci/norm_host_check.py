@@ -25,7 +25,7 @@ from cuda_host import cut, run, source
 eng = source("engine.cu")
 code = "\n".join(
     [
-        cut(eng, "typedef unsigned short bf16_t;", "f32_to_bf16_bits("),
+        cut(eng, "typedef unsigned short bf16_t;", "bf16x2_bits("),
         cut(eng, "__device__ __forceinline__ float warp_sum", "block_sum("),
         cut(eng, "template <int V>\n__device__ float block_sum_as_256", "block_sum_as_256("),
         "#define GEMV_WARPS 8",

@@ -18,7 +18,7 @@ eng = source("engine.cu")
 code = "\n".join(
     [
         "#define __global__\n#define TD_SCOPE(name)",
-        cut(eng, "typedef unsigned short bf16_t;", "f32_to_bf16_bits("),
+        cut(eng, "typedef unsigned short bf16_t;", "bf16x2_bits("),
         "#define NORM_UNROLL " + eng.split("#define NORM_UNROLL ")[1].split()[0],
         cut(eng, "__device__ __forceinline__ unsigned int float_key", "float_key("),
         cut(eng, 'extern "C" __global__ void topk_mask', "topk_mask("),

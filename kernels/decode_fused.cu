@@ -155,10 +155,7 @@ struct MergedSplits {
 #pragma unroll
                 for (int i = 0; i < 4; i++) v[i] = A[i] / W;
             }
-            auto pair = [](float lo, float hi) {
-                return (unsigned int)f32_to_bf16_bits(lo) | ((unsigned int)f32_to_bf16_bits(hi) << 16);
-            };
-            *(uint2*)(xs + e0) = make_uint2(pair(v[0], v[1]), pair(v[2], v[3]));
+            *(uint2*)(xs + e0) = make_uint2(bf16x2_bits(v[0], v[1]), bf16x2_bits(v[2], v[3]));
         }
         __syncthreads();
         return xs;

@@ -34,6 +34,11 @@ __device__ __forceinline__ bf16_t f32_to_bf16_bits(float x) {
     return (bf16_t)(__float_as_uint(round_bf16(x)) >> 16);
 }
 
+// Two f32 rounded as f32_to_bf16_bits, packed: `lo` in bits 0..15.
+__device__ __forceinline__ unsigned int bf16x2_bits(float lo, float hi) {
+    return (unsigned int)f32_to_bf16_bits(lo) | ((unsigned int)f32_to_bf16_bits(hi) << 16);
+}
+
 // Round to the nearest FP8 E4M3 (e4m3fn) value, ties to even, saturating at +-448
 // (as numerics::round_fp8_e4m3).
 __device__ __forceinline__ float round_fp8_e4m3(float x) {
@@ -652,11 +657,8 @@ __device__ __forceinline__ const bf16_t* gemv_x_prologue(const void* x, int x_f3
             if (x_f32) {
                 const float4* p = (const float4*)x + 2 * (size_t)c;
                 float4 a = p[0], b = p[1];
-                auto pair = [](float lo, float hi) {
-                    return (unsigned int)f32_to_bf16_bits(lo) |
-                           ((unsigned int)f32_to_bf16_bits(hi) << 16);
-                };
-                v[u] = make_uint4(pair(a.x, a.y), pair(a.z, a.w), pair(b.x, b.y), pair(b.z, b.w));
+                v[u] = make_uint4(bf16x2_bits(a.x, a.y), bf16x2_bits(a.z, a.w), bf16x2_bits(b.x, b.y),
+                                  bf16x2_bits(b.z, b.w));
             } else {
                 v[u] = ((const uint4*)x)[c];
             }

@@ -77,8 +77,20 @@ impl MergedSplits {
             (registers <= GEMV_NORM_SMEM).then_some(registers)
         }
     }
+
+    /// Whether the o GEMV can merge these splits itself for `n` rows of `inp` inputs: the merge
+    /// fits (`smem`) and so do the launch's staged weights beside it (the limit `with_stage`
+    /// enforces); else the pass keeps the combine kernel.
+    pub(super) fn fits(&self, n: usize, inp: usize) -> bool {
+        let stage = tune::get().gemv_stage_bytes(tune::get().gemv_block);
+        self.smem(n, inp)
+            .is_some_and(|b| b + stage <= super::launch::GEMV_SMEM_LIMIT)
+    }
 }
 
+/// Most dynamic shared memory the merging GEMV stages splits in (its functions' limit is raised
+/// to [`super::launch::GEMV_SMEM_LIMIT`]; the rest is left for staged weights): one row of
+/// Llama-3.2-1B's 32 heads of 64 with 8 splits takes 4 KB + 66 KB.
 pub(super) const MERGE_STAGED_SMEM: usize = 72 << 10;
 
 /// Dynamic shared memory the GEMV kernels' fused RMSNorm may use (the default per-block limit).

@@ -10,7 +10,7 @@ use cudarc::driver::result as dr;
 use cudarc::driver::CudaContext;
 
 use super::host::{Laps, Part};
-use super::launch::{Args, GEMV_SMEM_LIMIT};
+use super::launch::Args;
 use super::linears::{
     bias, gemv_splits, mlp_flow_splits, DevLinear, GemvIn, MergedSplits, MlpFlow, RopeArgs,
     FUSED_MERGE_MAX_SPLITS, GEMV_MAX_ROWS, GEMV_NORM_SMEM, GEMV_WARPS, MLP_FLOW_GROUPS_AT,
@@ -685,9 +685,7 @@ impl Inner {
                     && !m.cluster
                     && !m.gather
                     && m.max_splits <= FUSED_MERGE_MAX_SPLITS
-                    && merged.smem(n, q_dim).is_some_and(|b| {
-                        b + tune::get().gemv_stage_bytes(tune::get().gemv_block) <= GEMV_SMEM_LIMIT
-                    })
+                    && merged.fits(n, q_dim)
                 {
                     o_in = GemvIn::Merged(merged);
                     FUSED_MERGE.fetch_add(1, Ordering::Relaxed);
