@@ -688,15 +688,25 @@ struct GemvInputOf {
     float eps;
     // Whether x is read as given in f32 (GEMV_F32_TRIGGER_LATE; every input type says).
     __device__ __forceinline__ bool f32_as_given() const { return x_f32 && !norm_w; }
+    // Whether an input given as is gets copied into shared memory (gemv_x_prologue): the launch
+    // has the room. The same for every thread of the block.
+    __device__ __forceinline__ bool staged(int n, int in) const {
+        return GEMV_X_SMEM && dynamic_smem_bytes() >= (unsigned int)(n * in * 2) + GEMV_STAGE_BYTES;
+    }
+    // Whether the pointer operator() returns holds f32 values (as given, not staged as bf16): the
+    // streaming kernel chooses its code by it before it calls operator().
+    __device__ __forceinline__ bool reads_f32(int n, int in) const {
+        return f32_as_given() && !staged(n, in);
+    }
     // Where the kernel reads its n rows of `in` inputs, and whether they are f32.
     __device__ __forceinline__ const void* operator()(int n, int in, int* f32) const {
-        *f32 = norm_w ? 0 : x_f32;
+        *f32 = 0;
         if (!norm_w) {
-            // The same for every thread of the block (the barrier inside is safe).
-            if (!GEMV_X_SMEM ||
-                dynamic_smem_bytes() < (unsigned int)(n * in * 2) + GEMV_STAGE_BYTES)
+            // The barrier inside is safe: staged() is the same for the whole block.
+            if (!staged(n, in)) {
+                *f32 = x_f32;
                 return x;
-            *f32 = 0;
+            }
             switch (n) {
                 case 1: return gemv_x_prologue<1, T>(x, x_f32, in);
                 case 2: return gemv_x_prologue<2, T>(x, x_f32, in);
@@ -1285,8 +1295,9 @@ __device__ __forceinline__ void gemv_stream_kernel(GemvInput input, int in, int 
             gemv_store<1>(acc, t.b, t.y, t.out, t.row, add, lane);
         }
     };
-    // Input rows read as f32 and rounded, or bf16 bits (also the normalized rows in shared memory).
-    if (input.norm_w || !input.x_f32)
+    // Input rows read as f32 and rounded, or bf16 bits (the normalized rows, or an input staged in
+    // shared memory: gemv_x_prologue stores bf16 bits, whatever it was given).
+    if (!input.reads_f32(1, in))
         stream_units<false>(tasks, splits, in, len, len, lane, unit_w, ready, done);
     else
         stream_units<true>(tasks, splits, in, len, len, lane, unit_w, ready, done);

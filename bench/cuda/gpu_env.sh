@@ -13,3 +13,17 @@ done
 # Each of a comma-separated toggle set ("a=b,c=d") as `--toggle` arguments, one per line (read
 # them with `mapfile -t args < <(toggle_args "$set")`).
 toggle_args() { local IFS=,; for p in $1; do printf -- '--toggle\n%s\n' "$p"; done; }
+
+# Runs every test of the test executable $1 in a process of its own, each under `timeout $2`
+# seconds, with the rest of the arguments (a filter, --skip NAME, ...) choosing which: an illegal
+# address or another sticky CUDA error poisons its process's context, so one crash in a shared
+# process fails every test after it (the twenty-third session's first call lost ten tests so).
+# Prints each test's output; returns 1 if any failed.
+run_each() {
+  local exe=$1 limit=$2 rc=0 name
+  shift 2
+  for name in $("$exe" --list --format terse "$@" 2>/dev/null | sed -n 's/: test$//p'); do
+    timeout "$limit" "$exe" --exact "$name" --test-threads=1 --nocapture || rc=1
+  done
+  return $rc
+}

@@ -31,16 +31,19 @@ status=0
   echo "== $t"
   # Test executables find the fixtures through TAPEDECK_FIXTURES (the build machine's
   # CARGO_MANIFEST_DIR is baked in and does not exist here).
-  # A hung kernel (e.g. a PDL wait that never returns) must not eat the whole device call.
-  if ! timeout "${TEST_TIMEOUT:-300}" "$t" --test-threads=1 --nocapture 2>&1 | tee "$out/$(basename "$t").log"; then
+  # A hung kernel (e.g. a PDL wait that never returns) must not eat the whole device call, and a
+  # crashed one must not fail the tests after it: each test runs alone, under TEST_TIMEOUT.
+  if ! run_each "$t" "${TEST_TIMEOUT:-300}" 2>&1 | tee "$out/$(basename "$t").log"; then
     status=1
   fi
   # fuse=on leaves the split merge in the o GEMV out by default (it measured slower): its bit
-  # identity is checked with every fusion on.
-  if ! TAPEDECK_FUSE=rope,merge,head timeout 120 "$t" fused_decode --test-threads=1 --nocapture 2>&1 \
-      | tee "$out/$(basename "$t")-fuse-all.log"; then
-    status=1
-  fi
+  # identity is checked with every fusion on, merging in registers and staged in shared memory.
+  for staged in off on; do
+    if ! TAPEDECK_FUSE=rope,merge,head TAPEDECK_MERGE_STAGED=$staged timeout 120 "$t" fused_decode \
+        --test-threads=1 --nocapture 2>&1 | tee "$out/$(basename "$t")-fuse-all-staged-$staged.log"; then
+      status=1
+    fi
+  done
   # The MLP as one dataflow grid (TAPEDECK_FUSE=...,mlp), with the separate down GEMV's slices
   # (2 and 4 on the test shapes) and with 8 (TAPEDECK_GEMV_SLICE=256 applies to both paths; not
   # with rope, whose q/k/v kernel keeps one warp a feature while the plain GEMV splits at 256).

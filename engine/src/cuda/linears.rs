@@ -63,8 +63,8 @@ impl MergedSplits {
     /// Dynamic shared memory of the merging GEMV over `n` rows of `inp` inputs, or `None` where
     /// the merge cannot be fused (then the combine kernel merges): the merged rows in bf16, then
     /// every split's partial outputs and (max, sum) pairs in f32, staged by the kernel
-    /// (`TAPEDECK_MERGE_STAGED`, on unless `off`: needs `head_dim % 4 == 0` and at most
-    /// [`MERGE_STAGED_SMEM`]), or with `off` the split weights, their sums and the (max, sum)
+    /// (`TAPEDECK_MERGE_STAGED=on`: needs `head_dim % 4 == 0` and at most
+    /// [`MERGE_STAGED_SMEM`]), or by default the split weights, their sums and the (max, sum)
     /// pairs (within the default 48 KB).
     pub(super) fn smem(&self, n: usize, inp: usize) -> Option<usize> {
         let rows = n * inp * 2;

@@ -84,14 +84,15 @@
 //!   for 16 MB of f32 input at the same moment, right after their PDL wait. The same values in
 //!   the same order (f32 is rounded to bf16 as the kernel rounds it on the fly): the same bits.
 //!   Batch-1 decode on an H100: 911 tok/s with the copy, 876 without (twenty-second session).
-//! - `TAPEDECK_MERGE_STAGED=off`: the o GEMV that merges the mma decode kernel's splits itself
-//!   (`TAPEDECK_FUSE=...,merge`) merges them in registers, three waits for L2 after its PDL wait
-//!   (compiled with `MERGE_STAGED=0`), instead of first copying every split's partial outputs and
-//!   (max, sum) pairs into shared memory by cp.async in one round (`on`, the default; the launch
-//!   then takes `n · heads · max_splits · (head_dim + 2) · 4` bytes more, up to 72 KB, so the
-//!   merging functions' limit is raised). The register merge takes the one-row kernel from 79 to
-//!   126 registers and measured 801 against 852 tok/s without the fusion (seventeenth session).
-//!   The same bits either way.
+//! - `TAPEDECK_MERGE_STAGED=on`: the o GEMV that merges the mma decode kernel's splits itself
+//!   (`TAPEDECK_FUSE=...,merge`) first copies every split's partial outputs and (max, sum) pairs
+//!   into shared memory by cp.async in one round (compiled with `MERGE_STAGED=1`; the launch then
+//!   takes `n · heads · max_splits · (head_dim + 2) · 4` bytes more, up to 72 KB, so the merging
+//!   functions' limit is raised), instead of merging them in registers with three waits for L2
+//!   after its PDL wait (`off`, the default). The same bits either way. Both lose to the combine
+//!   kernel (H100, llama-1b batch-1 decode, twenty-third session): staged 786, registers 812,
+//!   the combine 911 tok/s. The staged merge's 76 registers did not pay for its shared memory:
+//!   every o block reads all splits (40 KB at 512 tokens) from L2 after its wait.
 //! - `TAPEDECK_GEMV_ASYNC=8|16`: the plain GEMV kernels (o, down, the head, and the merging o
 //!   GEMV of `fuse=...,merge`) request each warp's first 8 or 16 chunks a lane of weights (4 or
 //!   8 KB a warp) into shared memory with cp.async, not into registers (compiled with
@@ -288,7 +289,7 @@ pub(crate) struct Tuning {
     /// `off`).
     pub gemv_x_smem: bool,
     /// The merging o GEMV (`TAPEDECK_FUSE=...,merge`) stages the splits in shared memory by
-    /// cp.async before merging (`TAPEDECK_MERGE_STAGED`, on unless `off`).
+    /// cp.async before merging (`TAPEDECK_MERGE_STAGED=on`; off by default).
     pub merge_staged: bool,
     /// Chunks a lane the plain GEMVs stage in shared memory through cp.async, 0 for registers
     /// (`TAPEDECK_GEMV_ASYNC`).
@@ -421,9 +422,9 @@ impl Tuning {
         if !gemv_x_smem {
             nvrtc_defines.push("-DGEMV_X_SMEM=0".into());
         }
-        let merge_staged = !second(&var, "TAPEDECK_MERGE_STAGED", ["on", "off"]);
-        if !merge_staged {
-            nvrtc_defines.push("-DMERGE_STAGED=0".into());
+        let merge_staged = second(&var, "TAPEDECK_MERGE_STAGED", ["off", "on"]);
+        if merge_staged {
+            nvrtc_defines.push("-DMERGE_STAGED=1".into());
         }
         let mma_merge = [MmaMerge::Kernel, MmaMerge::InKernel, MmaMerge::Cluster][choice(
             &var,
@@ -557,7 +558,7 @@ mod tests {
                 pdl_attn: false,
                 smem_carveout: None,
                 gemv_x_smem: true,
-                merge_staged: true,
+                merge_staged: false,
                 gemv_async: 0,
                 swiglu_async: false,
             }
@@ -626,9 +627,10 @@ mod tests {
             "the copy is compiled out"
         );
         assert!(parse(&[("TAPEDECK_GEMV_X_SMEM", "no")]).gemv_x_smem);
-        let registers = parse(&[("TAPEDECK_MERGE_STAGED", "off")]);
-        assert!(!registers.merge_staged);
-        assert_eq!(registers.nvrtc_defines, ["-DMERGE_STAGED=0"]);
+        let staged_merge = parse(&[("TAPEDECK_MERGE_STAGED", "on")]);
+        assert!(staged_merge.merge_staged);
+        assert_eq!(staged_merge.nvrtc_defines, ["-DMERGE_STAGED=1"]);
+        assert!(!parse(&[("TAPEDECK_MERGE_STAGED", "off")]).merge_staged);
         let staged = parse(&[("TAPEDECK_GEMV_ASYNC", "16")]);
         assert_eq!(
             staged.nvrtc_defines,
