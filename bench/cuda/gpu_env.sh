@@ -18,12 +18,15 @@ toggle_args() { local IFS=,; for p in $1; do printf -- '--toggle\n%s\n' "$p"; do
 # seconds, with the rest of the arguments (a filter, --skip NAME, ...) choosing which: an illegal
 # address or another sticky CUDA error poisons its process's context, so one crash in a shared
 # process fails every test after it (the twenty-third session's first call lost ten tests so).
-# Prints each test's output; returns 1 if any failed.
+# Prints each test's output; returns 1 if any failed, or if none was listed (an executable
+# that cannot list its tests must not pass as an empty run).
 run_each() {
-  local exe=$1 limit=$2 rc=0 name
+  local exe=$1 limit=$2 rc=0 ran=0 name
   shift 2
   for name in $("$exe" --list --format terse "$@" 2>/dev/null | sed -n 's/: test$//p'); do
     timeout "$limit" "$exe" --exact "$name" --test-threads=1 --nocapture || rc=1
+    ran=$((ran + 1))
   done
+  [ "$ran" -gt 0 ] || { echo "run_each: $exe listed no tests"; rc=1; }
   return $rc
 }
