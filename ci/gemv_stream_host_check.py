@@ -17,8 +17,9 @@ shared memory first (`gemv_x_prologue`, TAPEDECK_GEMV_X_SMEM: the launch's dynam
 decides, here a host variable), on one row and on three, and the streaming kernel so too (it must
 read the copy as bf16 whatever it was given), and with its weights staged in shared
 memory by cp.async (`GEMV_ASYNC`, 16 chunks a lane: TAPEDECK_GEMV_ASYNC=16; cp.async as a copy),
-also on slices of 4096 inputs (all staged) and 8192 (half staged, half loaded after): the same
-bits as the kernel holding its weights in registers, compiled beside it from the same text. The
+also on slices of 4096 inputs (all staged) and 8192 (half staged, half loaded after), and loading
+the residual it adds to before its input's prologue (`GEMV_ADD_EARLY`): the same bits as the
+kernel holding its weights in registers, compiled beside it from the same text. The
 gate/up kernel likewise (`SWIGLU_ASYNC`, TAPEDECK_SWIGLU_ASYNC=on).
 
     python3 ci/gemv_stream_host_check.py     # needs g++ (C++20)
@@ -81,6 +82,7 @@ code = "\n".join(
         cut(eng, "template <int P>\n__device__ __forceinline__ void gemv_stage(", "gemv_stage("),
         cut(eng, "struct StagedChunks {", "operator[](") + "\n};",
         cut(eng, "template <int N, bool XF32>\n__device__ __forceinline__ void gemv_chunk", "void gemv_store("),
+        cut(eng, "template <int N>\n__device__ __forceinline__ void gemv_store_onto", "void gemv_store_onto("),
         # The dynamic shared memory of a GEMV block, as a fixed host array.
         cut(eng, "template <int N, int T = 32 * GEMV_WARPS>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
         .replace("extern __shared__ uint4 gemv_smem[];", "static uint4 gemv_smem[4096];"),
@@ -93,8 +95,11 @@ code = "\n".join(
         # and with its weights staged in shared memory (GEMV_ASYNC below).
         cut(eng, "template <int N, typename Input>\n__device__ __forceinline__ void gemv_kernel", "void gemv_kernel(")
         .replace("void gemv_kernel(", "void gemv_kernel_regs(")
-        .replace("GEMV_STAGED", "0"),
-        cut(eng, "template <int N, typename Input>\n__device__ __forceinline__ void gemv_kernel", "void gemv_kernel("),
+        .replace("GEMV_STAGED", "0")
+        .replace("GEMV_ADD_EARLY", "0"),
+        # The staged one also loads the residual it adds to early (GEMV_ADD_EARLY).
+        cut(eng, "template <int N, typename Input>\n__device__ __forceinline__ void gemv_kernel", "void gemv_kernel(")
+        .replace("GEMV_ADD_EARLY", "1"),
         define("GEMV_PARAMS"),
         define("GEMV_ARGS"),
         define("SWIGLU_PARAMS"),

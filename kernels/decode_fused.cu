@@ -57,6 +57,8 @@ struct MergedSplits {
 
     // Not an f32 input as given (GEMV_F32_TRIGGER_LATE, engine.cu).
     __device__ __forceinline__ bool f32_as_given() const { return false; }
+    // Nothing to fetch before the wait (the partials are the kernel before's output).
+    __device__ __forceinline__ void prefetch(int) const {}
 
     // Splits of row r (0: empty context; 1: the mma kernel wrote the row).
     __device__ __forceinline__ int splits(int r) const {

@@ -192,6 +192,30 @@ __device__ __forceinline__ void pdl_wait() {
     TD_WAITED();
 }
 
+// 1: a GEMV that normalizes its input first (the q/k/v GEMV, gate/up, the head) asks for the
+// RMSNorm weights before its PDL wait (norm_prefetch), into L1; 2: into L2 only. The norm reads
+// them only after the wait, the residual's load and the block reduction: without it that read
+// is one more dependent round trip to memory (a layer's norm weights are not in L2 by then: a
+// whole step's weights stream past), on the critical path of every block whose GEMV weights
+// are already in registers. Numerically a no-op (the same loads, earlier in the cache).
+// A sweep knob (TAPEDECK_NVRTC_DEFINES=NORM_PREFETCH=0|1|2).
+#ifndef NORM_PREFETCH
+#define NORM_PREFETCH 0
+#endif
+__device__ __forceinline__ void norm_prefetch(const float* w, int in) {
+#if NORM_PREFETCH
+    if (!w) return;
+    // One 128-byte line (32 floats) a thread.
+    for (int i = threadIdx.x * 32; i < in; i += blockDim.x * 32) {
+#if NORM_PREFETCH == 2
+        asm volatile("prefetch.L2 [%0];" ::"l"(w + i));
+#else
+        asm volatile("prefetch.L1 [%0];" ::"l"(w + i));
+#endif
+    }
+#endif
+}
+
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -573,6 +597,29 @@ __device__ __forceinline__ void gemv_store(const float acc[N], const float* b, f
     }
 }
 
+// gemv_store with the value `add` adds to already loaded by lane r (row r's y, GEMV_ADD_EARLY):
+// the same sum, without a load after the dot product.
+template <int N>
+__device__ __forceinline__ void gemv_store_onto(const float acc[N], const float* b, float* y, int out,
+                                                int row, int add, float y_old, int lane) {
+    float bias = b ? b[row] : 0.0f;
+#pragma unroll
+    for (int r = 0; r < N; r++) {
+        if (lane == r) {
+            float v = b ? acc[r] + bias : acc[r];
+            y[(size_t)r * out + row] = add ? y_old + v : v;
+        }
+    }
+}
+
+// 1: the plain GEMV kernels (gemv_bf16_N) with `add` load the residual they add to right after
+// their PDL wait, beside the input's prologue, instead of after the dot product: one dependent
+// round trip to memory less at the end of the o and down projections. The same bits. A sweep
+// knob (TAPEDECK_NVRTC_DEFINES=GEMV_ADD_EARLY=1).
+#ifndef GEMV_ADD_EARLY
+#define GEMV_ADD_EARLY 0
+#endif
+
 // With norm_w != NULL, x is the f32 residual stream (N rows of `in`) and the block first computes
 // its RMSNorm into shared memory as bf16 (N * in * 2 bytes of dynamic shared memory) with
 // rms_norm_rows, as the rms_norm kernel does, so fusing the norm changes no bit of the GEMV's
@@ -688,6 +735,8 @@ struct GemvInputOf {
     float eps;
     // Whether x is read as given in f32 (GEMV_F32_TRIGGER_LATE; every input type says).
     __device__ __forceinline__ bool f32_as_given() const { return x_f32 && !norm_w; }
+    // Before the PDL wait: what can be fetched ahead of it (the norm weights, NORM_PREFETCH).
+    __device__ __forceinline__ void prefetch(int in) const { norm_prefetch(norm_w, in); }
     // Whether an input given as is gets copied into shared memory (gemv_x_prologue): the launch
     // has the room. The same for every thread of the block.
     __device__ __forceinline__ bool staged(int n, int in) const {
@@ -842,9 +891,15 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     gemv_prefetch(weights(cur), len, lane, cur.live, pre);
 #endif
     const bool late = GEMV_F32_TRIGGER_LATE && input.f32_as_given();
+    input.prefetch(in);
     if (!late) pdl_launch_dependents();
     pdl_wait();
     if (late) pdl_launch_dependents();
+#if GEMV_ADD_EARLY && !GEMV_PERSIST
+    // The residual this lane adds to, requested now, in flight with the input's prologue.
+    float y_old = 0.0f;
+    if (add && part == 0 && cur.live && lane < N) y_old = cur.y[(size_t)lane * cur.out + cur.row];
+#endif
     int x_f32;
     const void* x = input(N, in, &x_f32);
 #if GEMV_STAGED
@@ -883,7 +938,11 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
                 }
             }
         }
+#if GEMV_ADD_EARLY && !GEMV_PERSIST
+        if (part == 0 && cur.live) gemv_store_onto<N>(acc, cur.b, cur.y, cur.out, cur.row, add, y_old, lane);
+#else
         if (part == 0 && cur.live) gemv_store<N>(acc, cur.b, cur.y, cur.out, cur.row, add, lane);
+#endif
 #if GEMV_PERSIST
         if (!more) break;
         if (splits > 1) __syncthreads();  // slice_sums is written again
@@ -960,6 +1019,7 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     uint4* slot_u = slot_g + GEMV_PRE * 32;
     gemv_stage<GEMV_PRE>(wg + at, in, lane, live, slot_g);
     gemv_stage<GEMV_PRE>(wu + at, in, lane, live, slot_u);
+    norm_prefetch(norm_w, in);
     pdl_launch_dependents();
     pdl_wait();
     if (norm_w) x = gemv_norm_prologue<N, 32 * GEMV_BLOCK_WARPS>((const float*)x, norm_w, eps, in);
@@ -973,6 +1033,7 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     uint4 pre_g[GEMV_PRE], pre_u[GEMV_PRE];
     gemv_prefetch(wg + at, in, lane, live, pre_g);
     gemv_prefetch(wu + at, in, lane, live, pre_u);
+    norm_prefetch(norm_w, in);
     pdl_launch_dependents();
     pdl_wait();
     if (norm_w) x = gemv_norm_prologue<N, 32 * GEMV_BLOCK_WARPS>((const float*)x, norm_w, eps, in);
@@ -1097,6 +1158,7 @@ __device__ __forceinline__ void mlp_flow_kernel(const void* x, const float* norm
         uint4 pre_g[GEMV_PRE], pre_u[GEMV_PRE];
         gemv_prefetch(wg + at, hidden, lane, true, pre_g);
         gemv_prefetch(wu + at, hidden, lane, true, pre_u);
+        norm_prefetch(norm_w, hidden);
         pdl_launch_dependents();
         pdl_wait();
         if (norm_w) x = gemv_norm_prologue<N>((const float*)x, norm_w, eps, hidden);
@@ -1282,6 +1344,7 @@ __device__ __forceinline__ void gemv_stream_kernel(GemvInput input, int in, int 
     int x_f32 = 0;
     // Every warp of the block must reach the norm prologue's barriers, with or without tasks.
     auto ready = [&]() {
+        input.prefetch(in);
         pdl_launch_dependents();
         pdl_wait();
         return input(1, in, &x_f32);
@@ -1321,6 +1384,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_STREAM_MIN_BL
         return (j == 0 ? wg : wu) + (size_t)(gw + i * warps) * in;
     };
     auto ready = [&]() {
+        norm_prefetch(norm_w, in);
         pdl_launch_dependents();
         pdl_wait();
         return norm_w ? (const void*)gemv_norm_prologue<1>((const float*)x, norm_w, eps, in) : x;
@@ -1534,6 +1598,12 @@ extern "C" __global__ void rope_kv_write_fp8kv(ROPE_KV_PARAMS(fp8_t)) {
 // residual stream normalized first (x_f32 must be 0, as for the gate/up kernel). Writes q (rotated), k (rotated, rounded) and v (rounded) like
 // rope_kv_write, and the pool rows at slots[t] (none for slot -1). May be launched with PDL.
 // grid (ceil((heads + 2 kv_heads) * hd / 2 / GEMV_WARPS)), block 32 * GEMV_WARPS.
+// 1: qkv_rope_kernel reads its rows' positions, rotary frequencies and cache slots before its PDL
+// wait (into three registers), not after its dot products: one dependent round trip to memory
+// less after the wait. The same bits. A sweep knob (TAPEDECK_NVRTC_DEFINES=QKV_INDEX_EARLY=1).
+#ifndef QKV_INDEX_EARLY
+#define QKV_INDEX_EARLY 0
+#endif
 template <int N, typename KV>
 __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm_w, float eps,
                                                 int in, const bf16_t* wq, const float* bq,
@@ -1558,6 +1628,18 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     uint4 pre0[GEMV_PRE], pre1[GEMV_PRE];
     gemv_prefetch(w0, in, lane, live, pre0);
     gemv_prefetch(w1, in, lane, live, pre1);
+    norm_prefetch(norm_w, in);
+#if QKV_INDEX_EARLY
+    // The position, rotary frequency and cache slot this lane's row needs, read before the wait:
+    // the pass's index data (uploaded before its first kernel) and a constant table, not
+    // anything the kernel before wrote.
+    int pos_early = 0, slot_early = -1;
+    float freq_early = 0.0f;
+    if (live && lane < N) {
+        if (which < 2) pos_early = pos[lane], freq_early = inv_freq[i];
+        if (which > 0) slot_early = slots[lane];
+    }
+#endif
     pdl_launch_dependents();
     pdl_wait();
     if (norm_w) x = gemv_norm_prologue<N>((const float*)x, norm_w, eps, in);
@@ -1574,7 +1656,14 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
         // gemv_store's epilogue, then rope_kv_head's.
         float a = b ? s0[r] + b[r0] : s0[r];
         float c = b ? s1[r] + b[r1] : s1[r];
-        if (which < 2) rope_rotate(a, c, pos[r], inv_freq[i], &a, &c);
+#if QKV_INDEX_EARLY
+        const int pos_r = pos_early, slot_r = slot_early;
+        const float freq_i = freq_early;
+#else
+        const int pos_r = which < 2 ? pos[r] : 0, slot_r = which > 0 ? slots[r] : -1;
+        const float freq_i = which < 2 ? inv_freq[i] : 0.0f;
+#endif
+        if (which < 2) rope_rotate(a, c, pos_r, freq_i, &a, &c);
         if (which > 0 && mode == 1) {
             a = round_bf16(a);
             c = round_bf16(c);
@@ -1582,8 +1671,8 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
         size_t at = ((size_t)r * nheads + hh) * hd;
         y[at + i] = a;
         y[at + i + half] = c;
-        if (which == 0 || slots[r] < 0) continue;
-        size_t dst = ((size_t)slots[r] * kv_heads + hh) * hd;
+        if (which == 0 || slot_r < 0) continue;
+        size_t dst = ((size_t)slot_r * kv_heads + hh) * hd;
         kv_put(pool, dst + i, a);
         kv_put(pool, dst + i + half, c);
     }

@@ -87,8 +87,8 @@ def main():
     print(f"step of {len(step)} launches, layer {a.layer}: launches {lo}..{hi - 1}")
     print()
     print("| # | kernel | blocks | resident GPU / SM | life µs p50 / p90 | after wait µs p50 / p90 "
-          "| 50% / 90% / 100% ended µs | GB/s | beside the one before |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| 50% / 90% / 100% ended µs | GB/s | beside the one before | early: blocks, wait released µs p10 / p50 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for i in range(lo, hi):
         l, prev_end = step[i], step[i - 1]["end"]
         evs = l["evs"]
@@ -111,10 +111,17 @@ def main():
         for ps, pe, _, psm in step[i - 1]["evs"]:
             before[psm].append((ps, pe))
         beside = sum(any(ps <= s < pe for ps, pe in before[sm_]) for s, _, _, sm_ in evs)
+        # Blocks that started before the launch before ended: their wait was released by its end
+        # (PDL), so the release's delay after that end is the boundary's own cost.
+        early = [(w - prev_end) / 1000 for s, _, w, _ in evs if w is not None and s < prev_end]
+        rel = f"{len(early)}, {q(early, .1):.1f} / {q(early, .5):.1f}" if early else "0"
         print(f"| {i} | {l['kernel']} | {len(evs)} | {gpu} / {sm} | {q(life, .5):.1f} / "
-              f"{q(life, .9):.1f} | {aw} | {p(.5):.1f} / {p(.9):.1f} / {ends[-1]:.1f} | {rate} | {beside} |")
+              f"{q(life, .9):.1f} | {aw} | {p(.5):.1f} / {p(.9):.1f} / {ends[-1]:.1f} | {rate} | {beside} "
+              f"| {rel} |")
     print()
-    print("(ended: from the end of the launch before; negative: before it ended, as PDL allows)")
+    print("(ended: from the end of the launch before; negative: before it ended, as PDL allows;")
+    print(" early: the blocks that started before the launch before ended, and when their PDL wait")
+    print(" was released, from that end)")
 
 
 if __name__ == "__main__":
