@@ -30,8 +30,8 @@ REPS=1 bash bench/cuda/sweep.sh "$D=NORM_PREFETCH=1 $B" "$D=QKV_INDEX_EARLY=1 $B
   "$D=NORM_PREFETCH=2,QKV_INDEX_EARLY=1,GEMV_ADD_EARLY=1 $B" "X=1 $B" > $OUT/sweep-each.md 2>&1
 cut -d'|' -f2,4,5 $OUT/sweep-each.md
 echo "at ${SECONDS}s"
-# Where each boundary's PDL wait is released (trace_blocks.py's last column), default and with
-# the attention and combine launched early too.
+# One layer with the three knobs on; trace_blocks.py's last column says when each boundary's
+# early blocks' PDL waits are released (compare gpu-s23/call1/trace-winner.md for the defaults).
 bash bench/cuda/trace_step.sh new "$D=$A" "$B" --layer 3 2>&1 | tail -9
 rm -f $OUT/*.csv.gz
 echo "at ${SECONDS}s"
