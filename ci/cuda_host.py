@@ -23,6 +23,11 @@ def source(name):
         return f.read()
 
 
+def macro_default(src, name):
+    """`#define NAME value` as the #ifndef default in `src` gives it."""
+    return f"#define {name} " + src.split(f"#define {name} ")[1].split()[0]
+
+
 def cut(src, start, end_fn):
     """The text from `start` to the closing brace of the first function named end_fn after it."""
     i = src.index(start)

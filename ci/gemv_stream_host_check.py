@@ -26,7 +26,7 @@ gate/up kernel likewise (`SWIGLU_ASYNC`, TAPEDECK_SWIGLU_ASYNC=on).
 """
 import re
 
-from cuda_host import cut, run, source
+from cuda_host import cut, macro_default, run, source
 
 eng = source("engine.cu")
 
@@ -39,7 +39,7 @@ def define(name):
 
 def default(name):
     """`#define NAME value` as engine.cu's #ifndef default gives it."""
-    return f"#define {name} " + eng.split(f"#define {name} ")[1].split()[0]
+    return macro_default(eng, name)
 
 
 code = "\n".join(
@@ -82,7 +82,6 @@ code = "\n".join(
         cut(eng, "template <int P>\n__device__ __forceinline__ void gemv_stage(", "gemv_stage("),
         cut(eng, "struct StagedChunks {", "operator[](") + "\n};",
         cut(eng, "template <int N, bool XF32>\n__device__ __forceinline__ void gemv_chunk", "void gemv_store("),
-        cut(eng, "template <int N>\n__device__ __forceinline__ void gemv_store_onto", "void gemv_store_onto("),
         # The dynamic shared memory of a GEMV block, as a fixed host array.
         cut(eng, "template <int N, int T = 32 * GEMV_WARPS>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
         .replace("extern __shared__ uint4 gemv_smem[];", "static uint4 gemv_smem[4096];"),

@@ -15,14 +15,14 @@ double at the kernel's f32 angle, rounded to bf16 for a bf16 pool.
 
     python3 ci/qkv_rope_host_check.py     # needs g++ (C++20)
 """
-from cuda_host import cut, run, source
+from cuda_host import cut, macro_default, run, source
 
 eng = source("engine.cu")
 
 
 def default(name):
     """`#define NAME value` as engine.cu's #ifndef default gives it."""
-    return f"#define {name} " + eng.split(f"#define {name} ")[1].split()[0]
+    return macro_default(eng, name)
 
 
 kernel = cut(eng, "template <int N, typename KV>\n__device__ __forceinline__ void qkv_rope_kernel", "void qkv_rope_kernel(")

@@ -17,9 +17,10 @@
 // one round, and merges from there: one wait for L2 after the PDL wait, with no registers held
 // for the partials (the merge in registers waits three times, and takes the one-row kernel from
 // 79 to 126 registers). The launch's dynamic shared memory then holds
-// n * num_heads * max_splits * (head_dim + 2) floats more (the host's MergedSplits::smem). 0 (the default): the merge in registers. Both lose to the
-// combine kernel on an H100 (llama-1b batch-1 decode: staged 786, registers 812, combine 911
-// tok/s, twenty-third session): every o block fetches all the splits from L2 after its wait.
+// n * num_heads * max_splits * (head_dim + 2) floats more (the host's MergedSplits::smem). 0 (the
+// default): the merge in registers. Both lose to the combine kernel on an H100 (llama-1b batch-1
+// decode: staged 786, registers 812, combine 911 tok/s, twenty-third session): every o block
+// fetches all the splits from L2 after its wait.
 #ifndef MERGE_STAGED
 #define MERGE_STAGED 0
 #endif

@@ -582,23 +582,8 @@ __device__ __forceinline__ void gemv_row(const bf16_t* w, const Pre& pre, const 
 }
 
 // The epilogue of output feature `row` of y (n, out) = x · Wᵀ (+ b): stored or added to y (the
-// residual stream); lane r writes input row r.
-template <int N>
-__device__ __forceinline__ void gemv_store(const float acc[N], const float* b, float* y, int out,
-                                           int row, int add, int lane) {
-    float bias = b ? b[row] : 0.0f;
-#pragma unroll
-    for (int r = 0; r < N; r++) {
-        if (lane == r) {
-            float v = b ? acc[r] + bias : acc[r];
-            float* o = y + (size_t)r * out + row;
-            *o = add ? *o + v : v;
-        }
-    }
-}
-
-// gemv_store with the value `add` adds to already loaded by lane r (row r's y, GEMV_ADD_EARLY):
-// the same sum, without a load after the dot product.
+// residual stream); lane r writes input row r. y_old is the value of y[r, row] that lane r read
+// (after the PDL wait) for `add`: early with GEMV_ADD_EARLY, else by gemv_store just before.
 template <int N>
 __device__ __forceinline__ void gemv_store_onto(const float acc[N], const float* b, float* y, int out,
                                                 int row, int add, float y_old, int lane) {
@@ -610,6 +595,14 @@ __device__ __forceinline__ void gemv_store_onto(const float acc[N], const float*
             y[(size_t)r * out + row] = add ? y_old + v : v;
         }
     }
+}
+
+// gemv_store_onto with the value to add to read here, just before the store.
+template <int N>
+__device__ __forceinline__ void gemv_store(const float acc[N], const float* b, float* y, int out,
+                                           int row, int add, int lane) {
+    const float y_old = add && lane < N ? y[(size_t)lane * out + row] : 0.0f;
+    gemv_store_onto<N>(acc, b, y, out, row, add, y_old, lane);
 }
 
 // 1: the plain GEMV kernels (gemv_bf16_N) with `add` load the residual they add to right after
