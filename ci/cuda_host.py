@@ -61,6 +61,10 @@ PRELUDE = r"""
 #define __forceinline__ inline
 #define __restrict__
 #define __shared__ static
+// The kernel tracer's marks (kernels/trace.cu) record nothing on the host, and the norm
+// weights' prefetch before a PDL wait (engine.cu's NORM_PREFETCH, PTX) moves no value.
+#define TD_MARK(k)
+#define NORM_PREFETCH 0
 using std::isfinite; using std::isnan; using std::signbit; using std::max; using std::min;
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };

@@ -51,6 +51,7 @@
 #ifndef TD_SCOPE
 #define TD_SCOPE(name)
 #define TD_WAITED()
+#define TD_MARK(k)
 #endif
 
 #ifndef DA_SMEM_BYTES
@@ -91,6 +92,17 @@
 #endif
 #ifndef DA_COMBINE_R
 #define DA_COMBINE_R 4
+#endif
+// 1: reads that depend only on the pass's index data do not wait for the context length: the
+// mma kernel issues its q loads and its first block-table entries (for the whole split, as far as
+// the table row goes) alongside context_lens[seq], not after it, and decode_attn_combine loads
+// its splits' partials on the bound max_splits alongside it (combine_group_fast's `ns_load`). One
+// dependent round trip to memory less in each; entries and splits past the context are loaded
+// and never used, so the same bits. llama-1b batch-1 decode on an H100 (twenty-fifth session,
+// interleaved in one call): 917 -> 935.5 tok/s; the default since. A sweep knob
+// (TAPEDECK_NVRTC_DEFINES=DA_INDEX_EARLY=0|1).
+#ifndef DA_INDEX_EARLY
+#define DA_INDEX_EARLY 1
 #endif
 
 namespace da {
@@ -432,13 +444,14 @@ __device__ __forceinline__ void compute_tile(unsigned sK, unsigned sV, const uns
   }
 }
 
-// Block-table entries for a warp's local tiles 32*R .. 32*R+31, one per lane.
+// Block-table entries for a warp's local tiles 32*R .. 32*R+31, one per lane, none past entry
+// `mbps` of the row (a bound for tiles counted on the split's length, not the context's).
 __device__ __forceinline__ int load_bt_round(const int* __restrict__ btrow, int R, int my_n, int warp, int lane,
-                                             int start, int bs) {
+                                             int start, int bs, int mbps = 0x7fffffff) {
   const int x = 32 * R + lane;
   if (x >= my_n) return 0;
   const int pos0 = start + (warp + x * DA_WARPS) * 16;
-  return btrow[pos0 / bs];
+  return pos0 / bs < mbps ? btrow[pos0 / bs] : 0;
 }
 
 // 8 bytes of q through L2 only: the persistent decode kernel (decode_step.cu) writes q in the same
@@ -473,14 +486,8 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
   if (split >= max_splits) return;
   const int len = context_lens[seq];
   const int start = split * split_len;
-  if (start >= len) return;  // uniform over the block
-  const int end = min(len, start + split_len);
-  const int nsplits = (len + split_len - 1) / split_len;
-
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
-  unsigned char* wreg = smem + warp * G::REGION;
-  const unsigned wreg_s = smem_u32(wreg);
 
   // Q fragments (A operand, rows = the group's query heads, padded with zeros to 16).
   unsigned qf[D / 16][4];
@@ -505,7 +512,25 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
       qf[kk][3] = pack_bf16x2_rne(b8.x, b8.y);
     }
   };
-  if (!EARLY) load_q();
+  const int* btrow = block_tables + (size_t)seq * mbps;
+  // DA_INDEX_EARLY: q and the first two rounds of block-table entries, counted on the split's
+  // whole length, are requested before the context length is used (they need only the pass's
+  // index data and, for q, the kernel before); the entries past the context are never used.
+  int bt_even = 0, bt_odd = 0;
+  if (DA_INDEX_EARLY) {
+    if (!EARLY) load_q();
+    const int full = split_len >> 4;
+    const int full_n = full > warp ? (full - warp + DA_WARPS - 1) / DA_WARPS : 0;
+    bt_even = load_bt_round(btrow, 0, full_n, warp, lane, start, bs, mbps);
+    bt_odd = load_bt_round(btrow, 1, full_n, warp, lane, start, bs, mbps);
+  }
+
+  if (start >= len) return;  // uniform over the block
+  const int end = min(len, start + split_len);
+  const int nsplits = (len + split_len - 1) / split_len;
+  unsigned char* wreg = smem + warp * G::REGION;
+  const unsigned wreg_s = smem_u32(wreg);
+  if (!EARLY && !DA_INDEX_EARLY) load_q();
 
   float o[D / 8][4];
 #pragma unroll
@@ -516,11 +541,12 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
   const int ntiles = (end - start + 15) >> 4;
   const int my_n = (ntiles > warp) ? (ntiles - warp + DA_WARPS - 1) / DA_WARPS : 0;
   const long long rowstride = (long long)nkv * D;
-  const int* btrow = block_tables + (size_t)seq * mbps;
 
   // Physical block numbers, prefetched 32 tiles at a time, two rounds in flight.
-  int bt_even = load_bt_round(btrow, 0, my_n, warp, lane, start, bs);
-  int bt_odd = load_bt_round(btrow, 1, my_n, warp, lane, start, bs);
+  if (!DA_INDEX_EARLY) {
+    bt_even = load_bt_round(btrow, 0, my_n, warp, lane, start, bs);
+    bt_odd = load_bt_round(btrow, 1, my_n, warp, lane, start, bs);
+  }
 
   int nx = 0;  // next local tile to issue
   // Positions staged from the pool: before the wait, not the newest (the kernel waited for
@@ -567,6 +593,7 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
     cp_async_commit();
     cp_async_wait<G::STAGES - 1>();
     __syncwarp();
+    if (i == 0) TD_MARK(1);
     const int slot = i % G::STAGES;
     if (EARLY && i == fix_i) {
       fix.store(wreg + slot * G::STAGE, (len - 1 - start) & 15, lane);
@@ -597,6 +624,7 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   __syncwarp();
 
+  TD_MARK(2);
   // Epilogue: every warp parks (m, l, O) in its own region, then the block merges the 4 warps.
   float* wf = reinterpret_cast<float*>(wreg);
   if (c == 0) {
@@ -732,18 +760,22 @@ __device__ __forceinline__ void combine_head(float* out, const float* partial_ou
 // head after head, waits on memory three times a head (four heads in a row measured ~8 µs a
 // layer slower than the combine kernel's one block per head). Applies where each of the PT
 // threads takes at most MG_U virtual threads (group * DA_COMBINE_THREADS <= MG_U * PT) and MG_R
-// splits each (ns <= MG_R * parts); returns false (nothing done) otherwise. `smem`: 2 * MG_U * PT
-// floats of shared memory, null for none (then false).
+// splits each (ns <= MG_R * parts), and there are at least two; returns false (nothing done)
+// otherwise. `smem`: 2 * MG_U * PT floats of shared memory, null for none (then false).
+// combine_group_fast_t takes the split count as `ns_of()`, asked only after the loads, and loads
+// `ns_load` (>= ns) splits: a caller that knows only a bound (DA_INDEX_EARLY: max_splits, before
+// the context length has arrived) issues the loads before `ns` is known; splits past ns are
+// loaded and then ignored, the bits of loading ns.
 #ifndef MG_U
 #define MG_U 8
 #endif
 #ifndef MG_R
 #define MG_R 2
 #endif
-template <int PT, int U = MG_U, int R = MG_R>
-__device__ __forceinline__ bool combine_group_fast(float* out, const float* partial_out, const float* partial_ml,
-                                                   int ns, int num_heads, int head_dim, int max_splits, int head0,
-                                                   int group, int seq, float* smem) {
+template <int PT, int U, int R, typename NsOf>
+__device__ __forceinline__ bool combine_group_fast_t(float* out, const float* partial_out, const float* partial_ml,
+                                                     int ns_load, NsOf ns_of, int num_heads, int head_dim,
+                                                     int max_splits, int head0, int group, int seq, float* smem) {
   constexpr int VT = DA_COMBINE_THREADS, W = PT / 32;
   // Heads the virtual threads cover; thread tid's u-th virtual thread tid + u * PT belongs to head
   // u * PT / VT whatever tid is (PT divides VT).
@@ -752,7 +784,7 @@ __device__ __forceinline__ bool combine_group_fast(float* out, const float* part
   __shared__ float red[G * W];
   if (!smem || head_dim <= 0 || VT % head_dim != 0 || group > G) return false;
   const int parts = VT / head_dim;
-  if (ns > R * parts) return false;
+  if (ns_load > R * parts) return false;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float m[U][R], l[U][R], o[U][R];
 #pragma unroll
@@ -762,11 +794,28 @@ __device__ __forceinline__ bool combine_group_fast(float* out, const float* part
 #pragma unroll
     for (int q = 0; q < R; q++) {
       const int s = part + q * parts;
-      const bool ok = j < group && s < ns;
+      const bool ok = j < group && s < ns_load;
       m[u][q] = ok ? partial_ml[(sh * max_splits + s) * 2] : da::neg_inf();
       l[u][q] = ok ? partial_ml[(sh * max_splits + s) * 2 + 1] : 0.f;
       o[u][q] = ok ? partial_out[(sh * max_splits + s) * head_dim + d] : 0.f;
     }
+  }
+  // Uniform over the block (one sequence), before any barrier: loaded for nothing. One split or
+  // none is not a merge (the mma kernel wrote its output; an empty context's zeros are the
+  // caller's).
+  const int ns = ns_of();
+  if (ns <= 1 || ns > ns_load) return false;
+  // Splits past ns (loaded only on a bound) are as if never loaded.
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    const int part = ((tid + u * PT) % VT) / head_dim;
+#pragma unroll
+    for (int q = 0; q < R; q++)
+      if (part + q * parts >= ns) {
+        m[u][q] = da::neg_inf();
+        l[u][q] = 0.f;
+        o[u][q] = 0.f;
+      }
   }
   // Each head's maximum over its splits (every split is loaded by some thread): exact in any order.
 #pragma unroll
@@ -782,6 +831,7 @@ __device__ __forceinline__ bool combine_group_fast(float* out, const float* part
     if (lane == 0) red[j * W + warp] = M;
   }
   __syncthreads();
+  TD_MARK(1);
   float* acc_s = smem;
   float* wsum_s = smem + U * PT;
 #pragma unroll
@@ -804,6 +854,7 @@ __device__ __forceinline__ bool combine_group_fast(float* out, const float* part
     wsum_s[vt] = wsum;
   }
   __syncthreads();
+  TD_MARK(2);
   for (int i = tid; i < group * head_dim; i += PT) {
     const int j = i / head_dim, d = i % head_dim;
     float A = 0.f, Wt = 0.f;
@@ -814,6 +865,15 @@ __device__ __forceinline__ bool combine_group_fast(float* out, const float* part
     out[((size_t)seq * num_heads + head0 + j) * head_dim + d] = A / Wt;
   }
   return true;
+}
+
+// combine_group_fast_t for a known split count `ns`, loading only those.
+template <int PT, int U = MG_U, int R = MG_R>
+__device__ __forceinline__ bool combine_group_fast(float* out, const float* partial_out, const float* partial_ml,
+                                                   int ns, int num_heads, int head_dim, int max_splits, int head0,
+                                                   int group, int seq, float* smem) {
+  return combine_group_fast_t<PT, U, R>(out, partial_out, partial_ml, ns, [ns] { return ns; }, num_heads, head_dim,
+                                        max_splits, head0, group, seq, smem);
 }
 
 // The `ns` splits of query heads head0 .. head0 + group - 1 merged by the block's PT threads, as
@@ -1052,13 +1112,32 @@ decode_attn_combine(float* out, const float* partial_out, const float* partial_m
   // Let the next kernel (the o projection's GEMV, launched with PDL) start fetching its weights;
   // wait for the mma kernel when this one was launched with PDL too (pdl=all).
 #if DA_COMBINE_FAST
-  // The context length is the pass's index data, uploaded before it: read before the wait. Then
-  // every split's (m, l, O) in one round of loads (combine_group_fast, the same bits).
   da::pdl_trigger();
   const int h = blockIdx.x, seq = blockIdx.y;
+  __shared__ float merge_s[2 * DA_COMBINE_THREADS];
+#if DA_INDEX_EARLY
+  // Every split the registers can hold is loaded on the bound max_splits, and the context length
+  // only after those loads: ptxas moves a warp-uniform value to a uniform register right after
+  // its load, which waits for it there, so a length loaded first would hold the partials' loads
+  // back. The merge declines (and combine_head below decides) for one split, none, or more than
+  // it holds.
+  da::pdl_wait_only();
+  if (h < num_heads && head_dim > 0 && split_len > 0) {
+    const int bound = min(max_splits, DA_COMBINE_R * (DA_COMBINE_THREADS / head_dim));
+    auto ns_of = [=] {
+      const int len = context_lens[seq];
+      return len > 0 ? min((len + split_len - 1) / split_len, max_splits) : 0;
+    };
+    if (combine_group_fast_t<DA_COMBINE_THREADS, 1, DA_COMBINE_R>(out, partial_out, partial_ml, bound, ns_of,
+                                                                   num_heads, head_dim, max_splits, h, 1, seq,
+                                                                   merge_s))
+      return;
+  }
+#else
+  // The context length is the pass's index data, uploaded before it: read before the wait. Then
+  // every split's (m, l, O) in one round of loads (combine_group_fast, the same bits).
   const int len = h < num_heads && split_len > 0 ? context_lens[seq] : 0;
   da::pdl_wait_only();
-  __shared__ float merge_s[2 * DA_COMBINE_THREADS];
   if (len > 0) {
     const int ns = min((len + split_len - 1) / split_len, max_splits);
     if (ns <= 1) return;  // written by the mma kernel
@@ -1066,6 +1145,7 @@ decode_attn_combine(float* out, const float* partial_out, const float* partial_m
                                                                  head_dim, max_splits, h, 1, seq, merge_s))
       return;
   }
+#endif
 #else
   da::pdl_start();
 #endif

@@ -16,6 +16,7 @@
 #ifndef TD_SCOPE
 #define TD_SCOPE(name)
 #define TD_WAITED()
+#define TD_MARK(k)
 #endif
 
 typedef unsigned short bf16_t;
@@ -198,9 +199,11 @@ __device__ __forceinline__ void pdl_wait() {
 // is one more dependent round trip to memory (a layer's norm weights are not in L2 by then: a
 // whole step's weights stream past), on the critical path of every block whose GEMV weights
 // are already in registers. Numerically a no-op (the same loads, earlier in the cache).
-// A sweep knob (TAPEDECK_NVRTC_DEFINES=NORM_PREFETCH=0|1|2).
+// On by default since session 25 (H100, batch-1 decode, with the two knobs below: 914 -> 935
+// tok/s; this one alone 921, into L2 only with the other two 934.5). A sweep knob
+// (TAPEDECK_NVRTC_DEFINES=NORM_PREFETCH=0|1|2).
 #ifndef NORM_PREFETCH
-#define NORM_PREFETCH 0
+#define NORM_PREFETCH 1
 #endif
 __device__ __forceinline__ void norm_prefetch(const float* w, int in) {
 #if NORM_PREFETCH
@@ -607,10 +610,11 @@ __device__ __forceinline__ void gemv_store(const float acc[N], const float* b, f
 
 // 1: the plain GEMV kernels (gemv_bf16_N) with `add` load the residual they add to right after
 // their PDL wait, beside the input's prologue, instead of after the dot product: one dependent
-// round trip to memory less at the end of the o and down projections. The same bits. A sweep
-// knob (TAPEDECK_NVRTC_DEFINES=GEMV_ADD_EARLY=1).
+// round trip to memory less at the end of the o and down projections. The same bits. On by
+// default since session 25 (H100, batch-1 decode: alone 914 -> 929.5 tok/s). A sweep knob
+// (TAPEDECK_NVRTC_DEFINES=GEMV_ADD_EARLY=0|1).
 #ifndef GEMV_ADD_EARLY
-#define GEMV_ADD_EARLY 0
+#define GEMV_ADD_EARLY 1
 #endif
 
 // With norm_w != NULL, x is the f32 residual stream (N rows of `in`) and the block first computes
@@ -898,6 +902,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
 #if GEMV_STAGED
     gemv_stage_wait();
 #endif
+    TD_MARK(1);
     // A persistent grid (GEMV_PERSIST, grid smaller than the row groups) loops over the groups,
     // block by block, with the next group's weights in flight while this one's are summed.
     for (;;) {
@@ -931,6 +936,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
                 }
             }
         }
+        TD_MARK(2);
 #if GEMV_ADD_EARLY && !GEMV_PERSIST
         if (part == 0 && cur.live) gemv_store_onto<N>(acc, cur.b, cur.y, cur.out, cur.row, add, y_old, lane);
 #else
@@ -1030,6 +1036,7 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     pdl_launch_dependents();
     pdl_wait();
     if (norm_w) x = gemv_norm_prologue<N, 32 * GEMV_BLOCK_WARPS>((const float*)x, norm_w, eps, in);
+    TD_MARK(1);
     // A persistent grid (GEMV_PERSIST) loops over features: each projection's next row is
     // requested as soon as this one's prefetched chunks are consumed.
     for (int stride = gridDim.x * GEMV_BLOCK_WARPS; live; row += stride) {
@@ -1040,6 +1047,7 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
         if (more) gemv_prefetch(wg + (size_t)next * in, in, lane, true, pre_g);
         gemv_row<N, false>(wu + (size_t)row * in, pre_u, x, in, 0, in, lane, u);
         if (more) gemv_prefetch(wu + (size_t)next * in, in, lane, true, pre_u);
+        TD_MARK(2);
         swiglu_store<N>(g, u, bg, bu, out, inter, row, lane);
         if (!more) break;
     }
@@ -1593,9 +1601,11 @@ extern "C" __global__ void rope_kv_write_fp8kv(ROPE_KV_PARAMS(fp8_t)) {
 // grid (ceil((heads + 2 kv_heads) * hd / 2 / GEMV_WARPS)), block 32 * GEMV_WARPS.
 // 1: qkv_rope_kernel reads its rows' positions, rotary frequencies and cache slots before its PDL
 // wait (into three registers), not after its dot products: one dependent round trip to memory
-// less after the wait. The same bits. A sweep knob (TAPEDECK_NVRTC_DEFINES=QKV_INDEX_EARLY=1).
+// less after the wait. The same bits. On by default since session 25 (H100, batch-1 decode:
+// alone 914 -> 915 tok/s, within noise; kept on as part of the measured all-on set, 935).
+// A sweep knob (TAPEDECK_NVRTC_DEFINES=QKV_INDEX_EARLY=0|1).
 #ifndef QKV_INDEX_EARLY
-#define QKV_INDEX_EARLY 0
+#define QKV_INDEX_EARLY 1
 #endif
 template <int N, typename KV>
 __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm_w, float eps,
@@ -1636,10 +1646,12 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     pdl_launch_dependents();
     pdl_wait();
     if (norm_w) x = gemv_norm_prologue<N>((const float*)x, norm_w, eps, in);
+    TD_MARK(1);
     if (!live) return;
     float s0[N], s1[N];
     gemv_row<N, false>(w0, pre0, x, in, 0, in, lane, s0);
     gemv_row<N, false>(w1, pre1, x, in, 0, in, lane, s1);
+    TD_MARK(2);
     int nheads = which == 0 ? heads : kv_heads;
     float* y = which == 0 ? q : which == 1 ? k : v;
     KV* pool = which == 1 ? k_pool : v_pool;

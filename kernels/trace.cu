@@ -71,11 +71,25 @@ struct TdScope {
 #define TD_SCOPE(name)                                  \
     constexpr unsigned int td_kernel_id_ = td_hash(name); \
     TdScope td_scope_(td_kernel_id_)
-#define TD_WAITED()                        \
-    do {                                   \
-        if (td_leader()) td_wait_at = td_now(); \
+// TD_MARK_POINT=k (a kernel macro, through TAPEDECK_NVRTC_DEFINES) records the moment thread 0
+// passes TD_MARK(k) in the "waited" field instead of the PDL wait's return: the kernels mark
+// 1 where their input is ready (a GEMV's prologue done, the attention's first KV tile arrived,
+// the combine's partials loaded) and 2 where their dot products are summed (just before the
+// stores), so that traces taken with 0, 1 and 2 split a block's time after its wait into
+// prologue, arithmetic and epilogue. Kernels without the mark then show no wait.
+#ifndef TD_MARK_POINT
+#define TD_MARK_POINT 0
+#endif
+#define TD_WAITED()                                                   \
+    do {                                                              \
+        if (TD_MARK_POINT == 0 && td_leader()) td_wait_at = td_now(); \
+    } while (0)
+#define TD_MARK(k)                                                      \
+    do {                                                                \
+        if (TD_MARK_POINT == (k) && td_leader()) td_wait_at = td_now(); \
     } while (0)
 #else
 #define TD_SCOPE(name)
 #define TD_WAITED()
+#define TD_MARK(k)
 #endif

@@ -14,6 +14,12 @@ interval for the kernels whose weight traffic you give (KERNEL/BLOCKS to tell ap
 one kernel by grid size, or @K for the layer's K-th launch, from 0: the streaming GEMV runs o
 and down on the same grid).
 
+With the kernels compiled with TD_MARK_POINT=1 or 2 (kernels/trace.cu; pass it to trace_step.sh as
+`TAPEDECK_NVRTC_DEFINES=TD_MARK_POINT=1`), every "wait" column reads as that mark instead: 1 when a
+block's input is ready (a GEMV's prologue done, the attention's first KV tile arrived, the
+combine's partials loaded), 2 when its dot products are summed. Three traces (0, 1, 2) then split
+a block's time after its wait into prologue, arithmetic and epilogue.
+
     python3 bench/cuda/trace_blocks.py trace.csv [--layer 3] [--bytes gemv_bf16_swiglu_1=67.1 --bytes gemv_bf16_1/1024=33.6]
 """
 import argparse
