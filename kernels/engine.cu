@@ -780,6 +780,26 @@ typedef GemvInputOf<32 * GEMV_WARPS> GemvInput;
 #ifndef GEMV_F32_TRIGGER_LATE
 #define GEMV_F32_TRIGGER_LATE 0
 #endif
+// 1: such a GEMV lets the kernel after it launch once every one of its own blocks holds its
+// prefetched weights, instead of at its start: gate/up's first wave (17 MB on llama-1b) then
+// does not share the DRAM with the o projection's 8.4 MB, which the twenty-fifth session's trace
+// marks found arriving 5.4 µs after the combine, and starts before o's own wait is over (unlike
+// GEMV_F32_TRIGGER_LATE). A timing knob; nothing computed changes. Register-prefetching GEMVs
+// only (not GEMV_ASYNC's staged weights or the persistent grid).
+#ifndef GEMV_F32_TRIGGER_LOADED
+#define GEMV_F32_TRIGGER_LOADED 0
+#endif
+
+// Returns once this thread's prefetched chunks have landed: a shared-memory store that consumes
+// one word of each (a 16-byte load lands as one), which the warp cannot issue before they have.
+__device__ __forceinline__ void gemv_wait_prefetched(const uint4 pre[GEMV_PRE]) {
+    __shared__ unsigned int sink;
+    unsigned int v = 0;
+#pragma unroll
+    for (int u = 0; u < GEMV_PRE; u++) v |= pre[u].x;
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"((unsigned int)__cvta_generic_to_shared(&sink)), "r"(v)
+                 : "memory");
+}
 
 // 16 bytes of weights from global to shared memory through L2 only (cp.async, sm_80+).
 __device__ __forceinline__ void gemv_stage16(uint4* dst, const uint4* src) {
@@ -889,6 +909,13 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
 #endif
     const bool late = GEMV_F32_TRIGGER_LATE && input.f32_as_given();
     input.prefetch(in);
+#if GEMV_F32_TRIGGER_LOADED && !GEMV_STAGED && !GEMV_PERSIST
+    if (input.f32_as_given()) {  // the same for the whole block: the barrier is safe
+        gemv_wait_prefetched(pre);
+        __syncthreads();
+        pdl_launch_dependents();
+    } else
+#endif
     if (!late) pdl_launch_dependents();
     pdl_wait();
     if (late) pdl_launch_dependents();

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# For the twenty-sixth session's first device call (~5.5 min; after `bash
-# bench/cuda/build_for_device.sh`, copy to .device/call.sh, carry [".device"], timeout ~380).
+# For the twenty-sixth session's first device call (~6.5 min; after `bash
+# bench/cuda/build_for_device.sh`, copy to .device/call.sh, carry [".device"], timeout ~420).
 # The twenty-fifth session's marks (docs/benchmarks.md, "Twenty-fifth session") show the DRAM
 # nearly idle from the q/k/v GEMV's end to the combine's start (~5.7 µs a layer: the attention
 # reads 1 MB), while the o GEMV's 8.4 MB and gate/up's first wave (17 MB) are both requested at
@@ -8,6 +8,8 @@
 # Knobs that already exist move those requests; none was timed with today's defaults:
 #   GEMV_F32_TRIGGER_LATE=1  o lets gate/up launch only after its own wait (o's weights alone
 #                            during the combine)
+#   GEMV_F32_TRIGGER_LOADED=1  (new, untimed) o lets gate/up launch once all of o's blocks hold
+#                            their weights, without waiting for the combine
 #   TAPEDECK_PDL_ATTN=on     the attention and the combine launched early too (the combine, and so
 #                            o, then launch once the attention's KV reads are done: o's weights
 #                            stream during the attention's epilogue and the combine)
@@ -22,7 +24,8 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
 B=matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=on,cuda_graphs=on,fuse=on,kv_dtype=bf16
 A=matmul=bf16,attn_decode=mma-bf16,small_gemm=gemv,pdl=all,cuda_graphs=on,fuse=on,kv_dtype=bf16
 D=TAPEDECK_NVRTC_DEFINES
-REPS=2 bash bench/cuda/sweep.sh "X=1 $B" "$D=GEMV_F32_TRIGGER_LATE=1 $B" "TAPEDECK_PDL_ATTN=on $B" \
+REPS=2 bash bench/cuda/sweep.sh "X=1 $B" "$D=GEMV_F32_TRIGGER_LATE=1 $B" "$D=GEMV_F32_TRIGGER_LOADED=1 $B" \
+  "TAPEDECK_PDL_ATTN=on $B" \
   "TAPEDECK_PDL_ATTN=on+$D=DA_KV_EARLY=1 $B" "X=1 $A" > $OUT/sweep.md 2>&1
 cut -d'|' -f2,3,4,5 $OUT/sweep.md
 echo "at ${SECONDS}s"
