@@ -96,9 +96,9 @@
 // 1: reads that depend only on the pass's index data do not wait for the context length: the
 // mma kernel issues its q loads and its first block-table entries (for the whole split, as far as
 // the table row goes) alongside context_lens[seq], not after it, and decode_attn_combine loads
-// its splits' partials on the bound max_splits alongside it (combine_group_fast's `ns_load`). One
-// dependent round trip to memory less in each; entries and splits past the context are loaded
-// and never used, so the same bits. llama-1b batch-1 decode on an H100 (twenty-fifth session,
+// its splits' partials on the bound max_splits and only then the length (combine_group_fast_t's
+// `ns_load` and `ns_of`). One dependent round trip to memory less in each; entries and splits
+// past the context are loaded and never used, so the same bits. llama-1b batch-1 decode on an H100 (twenty-fifth session,
 // interleaved in one call): 917 -> 935.5 tok/s; the default since. A sweep knob
 // (TAPEDECK_NVRTC_DEFINES=DA_INDEX_EARLY=0|1).
 #ifndef DA_INDEX_EARLY
