@@ -2,7 +2,6 @@
 //! inter-token latency of the scheduler at several concurrencies, the prefix cache on a growing
 //! multi-turn session, and peak memory. Prints tables; figures go to `docs/benchmarks.md`.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,7 +11,6 @@ use hdrhistogram::Histogram;
 use rand::{Rng, SeedableRng};
 use tapedeck_engine::cuda;
 use tapedeck_engine::engine::EngineOptions;
-use tapedeck_engine::fixture::{self, FixtureSpec};
 use tapedeck_engine::scheduler::{EngineHandle, Event, SchedulerConfig};
 use tapedeck_engine::toggles::Precision;
 use tapedeck_engine::{Engine, GenerateRequest, SamplingParams, StopCriteria, Toggles};
@@ -52,25 +50,6 @@ pub struct BenchArgs {
     pub toggles: Vec<String>,
 }
 
-/// A model directory: an embedded fixture, a directory, or a generated benchmark model
-/// (`llama-120m`, `llama-1b`), built into the cache on first use.
-fn model_dir(spec: &str) -> Result<PathBuf> {
-    let generated = ["llama-120m", "llama-1b"];
-    if let (true, Some(fs)) = (generated.contains(&spec), FixtureSpec::by_name(spec)) {
-        let dir = embedded::cache_root().join("bench").join(spec);
-        if !dir.join("config.json").exists() {
-            eprintln!(
-                "generating the {spec} benchmark model into {} ...",
-                dir.display()
-            );
-            fixture::build(&fs, &dir)
-                .with_context(|| format!("building {spec} into {}", dir.display()))?;
-        }
-        return Ok(dir);
-    }
-    embedded::resolve(spec)
-}
-
 /// Peak resident memory of this process, from `/proc/self/status` (Linux), in MiB.
 pub fn peak_rss_mib() -> Option<f64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -108,7 +87,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let toggles = crate::cli_generate::parse_toggles(&args.toggles)?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
     for spec in &args.models {
-        let dir = model_dir(spec)?;
+        let dir = embedded::resolve(spec)?;
         let engine = Arc::new(
             Engine::load_with(
                 &dir,

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
+use tapedeck_engine::fixture::{self, FixtureSpec};
 
 /// The model used when none is named.
 pub const DEFAULT_MODEL: &str = "tiny-qwen2";
@@ -92,17 +93,27 @@ pub fn cache_root() -> PathBuf {
     std::env::temp_dir().join("tapedeck-cache")
 }
 
+/// Benchmark models generated on first use rather than embedded (a real model's shapes, random
+/// weights, a trained tokenizer; llama-1b is 2.5 GB): every command takes them by name, as
+/// `bench engine` always did.
+pub const GENERATED: [&str; 2] = ["llama-120m", "llama-1b"];
+
 /// A model directory for `spec`: an existing directory as given, else an embedded model written
-/// (once) to the cache.
+/// (once) to the cache, else a generated benchmark model built (once) into the cache.
 pub fn resolve(spec: &str) -> Result<PathBuf> {
     let p = Path::new(spec);
     if p.is_dir() {
         return Ok(p.to_path_buf());
     }
+    if let (true, Some(fs)) = (GENERATED.contains(&spec), FixtureSpec::by_name(spec)) {
+        return generated(spec, &fs);
+    }
     let Some(files) = files(spec) else {
         bail!(
-            "{spec:?} is neither a model directory nor an embedded model (embedded: {})",
-            names().join(", ")
+            "{spec:?} is neither a model directory nor an embedded model (embedded: {}; \
+             generated on first use: {})",
+            names().join(", "),
+            GENERATED.join(", ")
         );
     };
     let mut h = Sha256::new();
@@ -129,4 +140,39 @@ pub fn resolve(spec: &str) -> Result<PathBuf> {
         }
     }
     Ok(dir)
+}
+
+/// The generated benchmark model `spec` in the cache, built there first if missing (into a
+/// private directory renamed into place, so an interrupted build is never taken for a model).
+fn generated(spec: &str, fs: &FixtureSpec) -> Result<PathBuf> {
+    let dir = cache_root().join("bench").join(spec);
+    if dir.join("config.json").exists() {
+        return Ok(dir);
+    }
+    eprintln!(
+        "generating the {spec} benchmark model into {} ...",
+        dir.display()
+    );
+    let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+    fixture::build(fs, &tmp).with_context(|| format!("building {spec} into {}", tmp.display()))?;
+    if let Err(e) = std::fs::rename(&tmp, &dir) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        if !dir.join("config.json").exists() {
+            return Err(e).with_context(|| format!("installing {spec} into {}", dir.display()));
+        }
+    }
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    /// A user who mistypes a model name learns every name that would have worked, generated
+    /// benchmark models included.
+    #[test]
+    fn an_unknown_model_lists_the_embedded_and_generated_names() {
+        let err = super::resolve("no-such-model-here").unwrap_err().to_string();
+        for name in super::names().iter().chain(super::GENERATED.iter()) {
+            assert!(err.contains(name), "{name} missing from: {err}");
+        }
+    }
 }
