@@ -170,7 +170,9 @@ mod tests {
     /// benchmark models included.
     #[test]
     fn an_unknown_model_lists_the_embedded_and_generated_names() {
-        let err = super::resolve("no-such-model-here").unwrap_err().to_string();
+        let err = super::resolve("no-such-model-here")
+            .unwrap_err()
+            .to_string();
         for name in super::names().iter().chain(super::GENERATED.iter()) {
             assert!(err.contains(name), "{name} missing from: {err}");
         }
