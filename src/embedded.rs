@@ -125,43 +125,42 @@ pub fn resolve(spec: &str) -> Result<PathBuf> {
     let dir = cache_root()
         .join("models")
         .join(format!("{spec}-{}", &hash[..12]));
-    if dir.join(".complete").exists() {
-        return Ok(dir);
+    install(&dir, ".complete", |tmp| {
+        write_to(spec, tmp)?;
+        std::fs::write(tmp.join(".complete"), b"")?;
+        Ok(())
+    })
+}
+
+/// The generated benchmark model `spec` in the cache, built there first if missing.
+fn generated(spec: &str, fs: &FixtureSpec) -> Result<PathBuf> {
+    let dir = cache_root().join("bench").join(spec);
+    install(&dir, "config.json", |tmp| {
+        eprintln!(
+            "generating the {spec} benchmark model into {} ...",
+            dir.display()
+        );
+        fixture::build(fs, tmp)
+            .map(|_| ())
+            .with_context(|| format!("building {spec} into {}", tmp.display()))
+    })
+}
+
+/// `dir`, unless `dir/marker` exists already made by `build` into a private directory and then
+/// renamed into place, so that a concurrent or interrupted run never sees a half-written model.
+fn install(dir: &Path, marker: &str, build: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
+    if dir.join(marker).exists() {
+        return Ok(dir.to_path_buf());
     }
-    // Write into a private directory and rename, so a concurrent or interrupted run never sees a
-    // half-written model.
     let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
-    write_to(spec, &tmp)?;
-    std::fs::write(tmp.join(".complete"), b"")?;
-    if let Err(e) = std::fs::rename(&tmp, &dir) {
+    build(&tmp)?;
+    if let Err(e) = std::fs::rename(&tmp, dir) {
         let _ = std::fs::remove_dir_all(&tmp);
-        if !dir.join(".complete").exists() {
+        if !dir.join(marker).exists() {
             return Err(e).with_context(|| format!("installing model into {}", dir.display()));
         }
     }
-    Ok(dir)
-}
-
-/// The generated benchmark model `spec` in the cache, built there first if missing (into a
-/// private directory renamed into place, so an interrupted build is never taken for a model).
-fn generated(spec: &str, fs: &FixtureSpec) -> Result<PathBuf> {
-    let dir = cache_root().join("bench").join(spec);
-    if dir.join("config.json").exists() {
-        return Ok(dir);
-    }
-    eprintln!(
-        "generating the {spec} benchmark model into {} ...",
-        dir.display()
-    );
-    let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
-    fixture::build(fs, &tmp).with_context(|| format!("building {spec} into {}", tmp.display()))?;
-    if let Err(e) = std::fs::rename(&tmp, &dir) {
-        let _ = std::fs::remove_dir_all(&tmp);
-        if !dir.join("config.json").exists() {
-            return Err(e).with_context(|| format!("installing {spec} into {}", dir.display()));
-        }
-    }
-    Ok(dir)
+    Ok(dir.to_path_buf())
 }
 
 #[cfg(test)]
