@@ -64,7 +64,11 @@
 // splits itself, or the combine kernel under pdl=all) launch only when their blocks are done with
 // the KV cache. Triggered at the start (0), the successor and, through its own early trigger, the
 // gate/up GEMV after it launch while attention still runs and stream tens of MB of weights ahead
-// of attention's latency-bound KV reads.
+// of attention's latency-bound KV reads. 2: triggered once a block has requested its first KV
+// tiles (with DA_KV_EARLY, before its wait): those reads go first, and the o GEMV's weights (and
+// gate/up's first wave, launched at o's start) fill the DRAM while the attention waits for the
+// q/k/v GEMV and runs. Only when kernels start changes: the waits still order every read of
+// what a kernel before wrote.
 #ifndef DA_TRIGGER_LATE
 #define DA_TRIGGER_LATE 1
 #endif
@@ -78,9 +82,12 @@
 // staged tile by hand (ci/mma_tile_host_check.py). Launched normally, the wait is a no-op and
 // nothing changes. The same bits. llama-1b batch-1 decode on an H100 (twentieth session): under
 // pdl=all 865.9 -> 873.9 tok/s, but with DA_COMBINE_FAST and only the attention launched early
-// (TAPEDECK_PDL_ATTN=on) 877.7 against 877.4 without: kept off.
+// (TAPEDECK_PDL_ATTN=on) 877.7 against 877.4 without: kept off then. With today's other
+// defaults and TAPEDECK_PDL_ATTN=on (twenty-sixth session, one call, interleaved): 938.3/937.3
+// against 929.6/930.6 tok/s for pdl=on alone and 922.5/924.3 for the early launch without it:
+// the default since, with the early launch.
 #ifndef DA_KV_EARLY
-#define DA_KV_EARLY 0
+#define DA_KV_EARLY 1
 #endif
 // 1: decode_attn_combine loads every split's (m, l, O) of its head at once (up to DA_COMBINE_R
 // splits a thread: 4 * 256 / head_dim splits in all), instead of the maximum first and then the
@@ -574,6 +581,7 @@ __device__ __forceinline__ void mma_impl(float* __restrict__ out, const float* _
     if (nx < my_n) DA_ISSUE_NEXT(i);
     cp_async_commit();
   }
+  if (DA_TRIGGER_LATE == 2 && !NAMED) da::pdl_trigger();
   RowFix<T, D> fix;
   int fix_i = -1;  // the loop step whose tile lacks the newest row
   if (EARLY) {
