@@ -170,7 +170,7 @@ static unsigned pack_bf16x2_rne(float lo, float hi) { return bf16_rne(lo) | (bf1
 
 
 def run(code, label):
-    """Compiles `code` (after PRELUDE) with g++ and runs it; exits with its status."""
+    """Compiles `code` (after PRELUDE) with g++ and runs it; exits with its status if it failed."""
     with tempfile.TemporaryDirectory() as d:
         src, exe = os.path.join(d, "check.cpp"), os.path.join(d, "check")
         with open(src, "w") as f:
@@ -178,4 +178,6 @@ def run(code, label):
         r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-w", src, "-o", exe])
         if r.returncode:
             sys.exit(f"{label}: g++ failed")
-        sys.exit(subprocess.run([exe]).returncode)
+        rc = subprocess.run([exe]).returncode
+        if rc:
+            sys.exit(rc)

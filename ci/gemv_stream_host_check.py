@@ -20,7 +20,8 @@ memory by cp.async (`GEMV_ASYNC`, 16 chunks a lane: TAPEDECK_GEMV_ASYNC=16; cp.a
 also on slices of 4096 inputs (all staged) and 8192 (half staged, half loaded after), and loading
 the residual it adds to before its input's prologue (`GEMV_ADD_EARLY`): the same bits as the
 kernel holding its weights in registers, compiled beside it from the same text. The
-gate/up kernel likewise (`SWIGLU_ASYNC`, TAPEDECK_SWIGLU_ASYNC=on).
+gate/up kernel likewise (`SWIGLU_ASYNC`, TAPEDECK_SWIGLU_ASYNC=on). All of it twice: the staged
+rows copied chunk by chunk as cp.async does, and whole as `GEMV_TMA`'s bulk copies do.
 
     python3 ci/gemv_stream_host_check.py     # needs g++ (C++20)
 """
@@ -66,6 +67,13 @@ code = "\n".join(
         "static uint4 g_stage[GEMV_WARPS * GEMV_STAGE_PRE * 32];",
         "static void gemv_stage16(uint4* dst, const uint4* src) { *dst = *src; }",
         "static void gemv_stage_wait() { __syncwarp(); }",
+        "static void gemv_stage_init() {}",
+        # GEMV_TMA's bulk copies (one per staged row, by lane 0): the check runs once with them
+        # (a memcpy here) and once with cp.async's per-lane chunks, both against the registers.
+        "#define GEMV_BULK 0",
+        "static unsigned gemv_stage_bar(int) { return 0; }",
+        "static void gemv_stage_bulk(uint4* dst, const uint4* src, unsigned bytes, unsigned) {\n"
+        "    memcpy(dst, src, bytes);\n}",
         "static uint4* gemv_stage_slot(int warp) { return g_stage + warp * GEMV_STAGE_PRE * 32; }",
         "#define SWIGLU_ASYNC 1",
         define("SWIGLU_STAGE_BYTES"),
@@ -336,3 +344,4 @@ int main() {
 
 if __name__ == "__main__":
     run(code + MAIN, "gemv_stream_host_check")
+    run(code.replace("#define GEMV_BULK 0", "#define GEMV_BULK 1") + MAIN, "gemv_stream_host_check (bulk copies)")

@@ -807,10 +807,79 @@ __device__ __forceinline__ void gemv_stage16(uint4* dst, const uint4* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
 
+// 1 (with GEMV_ASYNC or SWIGLU_ASYNC, sm_90+): a warp's staged weights come by bulk copies of
+// the Hopper copy engine (cp.async.bulk, one per staged row, issued by lane 0 and counted on an
+// mbarrier of the warp) instead of by 16-byte cp.async per lane. The twenty-fifth session's marks
+// found each GEMV's input, read from L2 right after the PDL wait, arriving 2-4 µs after it (the o
+// projection: 3.9 µs for 8 KB): on each SM it queues behind the weights that SM's blocks
+// requested before the wait. Bulk copies leave the SM's load pipeline to the input. The same
+// layout, so the same bits. A sweep knob (TAPEDECK_NVRTC_DEFINES=GEMV_TMA=1 beside
+// TAPEDECK_GEMV_ASYNC=8 and TAPEDECK_SWIGLU_ASYNC=on); before sm_90 it changes nothing.
+#ifndef GEMV_TMA
+#define GEMV_TMA 0
+#endif
+#if GEMV_TMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GEMV_BULK 1
+#else
+#define GEMV_BULK 0
+#endif
+
+#if GEMV_BULK
+// The shared-memory address of warp `warp`'s stage mbarrier (one phase: a block stages once).
+__device__ __forceinline__ unsigned int gemv_stage_bar(int warp) {
+    __shared__ __align__(8) unsigned long long bars[GEMV_BLOCK_WARPS];
+    return (unsigned int)__cvta_generic_to_shared(&bars[warp]);
+}
+
+// `bytes` (a multiple of 16) from global src to shared dst by the copy engine, counted on `bar`
+// (which expects them first, so the phase cannot complete before they land).
+__device__ __forceinline__ void gemv_stage_bulk(uint4* dst, const uint4* src, unsigned int bytes,
+                                                unsigned int bar) {
+    unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(d),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+#endif
+
+// Before a warp's gemv_stage calls: with GEMV_BULK, lane 0 readies the warp's mbarrier (one
+// arrival, lane 0's in gemv_stage_wait). Nothing otherwise.
+__device__ __forceinline__ void gemv_stage_init() {
+#if GEMV_BULK
+    if ((threadIdx.x & 31) == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(gemv_stage_bar(threadIdx.x >> 5))
+                     : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+#endif
+}
+
 // Waits for this thread's staged chunks (each lane reads back only the chunks it staged), with
-// the warp converged again before its shared-memory reads.
+// the warp converged again before its shared-memory reads. With GEMV_BULK, for the warp's bulk
+// copies: lane 0 arrives, and every lane waits for the phase (the arrival and every byte).
 __device__ __forceinline__ void gemv_stage_wait() {
+#if GEMV_BULK
+    unsigned int bar = gemv_stage_bar(threadIdx.x >> 5);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+        unsigned long long state;
+        asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];" : "=l"(state) : "r"(bar) : "memory");
+    }
+    unsigned int done = 0;
+    do {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(bar)
+            : "memory");
+    } while (!done);
+#else
     asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
     __syncwarp();
 }
 
@@ -832,11 +901,18 @@ __device__ __forceinline__ void gemv_stage(const bf16_t* w, int in, int lane, bo
                                            uint4* slot) {
     const uint4* wr = (const uint4*)w;
     int chunks = in / 8;
+#if GEMV_BULK
+    // The row's first P * 32 chunks are contiguous in memory and in the stage: one copy.
+    int n = min(chunks, P * 32);
+    if (live && lane == 0 && n > 0)
+        gemv_stage_bulk(slot, wr, (unsigned int)n * 16, gemv_stage_bar(threadIdx.x >> 5));
+#else
 #pragma unroll
     for (int u = 0; u < P; u++) {
         int c = lane + 32 * u;
         if (live && c < chunks) gemv_stage16(slot + c, wr + c);
     }
+#endif
 }
 
 // A lane's staged chunks as gemv_row reads them: pre[u] is chunk lane + 32u.
@@ -901,6 +977,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     Target cur = target(group * per_block + warp / splits);
 #if GEMV_STAGED
     uint4* slot = gemv_stage_slot(warp);
+    gemv_stage_init();
     gemv_stage<GEMV_STAGE_PRE>(weights(cur), len, lane, cur.live, slot);
     const StagedChunks pre{slot + lane};
 #else
@@ -1043,6 +1120,7 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
 #if SWIGLU_ASYNC && !GEMV_PERSIST
     uint4* slot_g = smem_tail(SWIGLU_STAGE_BYTES) + (threadIdx.x >> 5) * 2 * GEMV_PRE * 32;
     uint4* slot_u = slot_g + GEMV_PRE * 32;
+    gemv_stage_init();
     gemv_stage<GEMV_PRE>(wg + at, in, lane, live, slot_g);
     gemv_stage<GEMV_PRE>(wu + at, in, lane, live, slot_u);
     norm_prefetch(norm_w, in);

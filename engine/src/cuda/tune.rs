@@ -594,7 +594,10 @@ mod tests {
         assert!(!parse(&[("TAPEDECK_HOST_COPIES", "locked")]).pinned);
         assert!(!parse(&[("TAPEDECK_RUN_AHEAD", "off")]).run_ahead);
         assert!(!parse(&[("TAPEDECK_PDL_ATTN", "off")]).pdl_attn);
-        assert!(parse(&[("TAPEDECK_PDL_ATTN", "of")]).pdl_attn, "a typo keeps the default");
+        assert!(
+            parse(&[("TAPEDECK_PDL_ATTN", "of")]).pdl_attn,
+            "a typo keeps the default"
+        );
         assert_eq!(
             parse(&[("TAPEDECK_SMEM_CARVEOUT", "100")]).smem_carveout,
             Some(100)
