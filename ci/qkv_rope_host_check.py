@@ -4,8 +4,10 @@
 `qkv_rope_kernel` (the `gemv_bf16_qkv_rope_*` entry points, `fuse=rope`) computes q, k and v
 from the bf16 weights, rotates q and k, rounds k and v for a bf16 pool, and writes the pool rows at
 the pass's cache slots. With `QKV_INDEX_EARLY` it reads each row's position, rotary frequency and
-slot before its PDL wait instead of after its dot products. This check compiles the kernel both
-ways from the same text and runs them as ci/cuda_host.py runs kernel code (blocks of 256
+slot before its PDL wait instead of after its dot products; with `QKV_ASYNC` (TAPEDECK_QKV_ASYNC=on)
+it stages its weights in shared memory, chunk by chunk as cp.async does or a row at a time as
+`GEMV_TMA`'s bulk copies do (the check runs once each way). This check compiles the kernel both
+ways (index data late and weights in registers; early and staged) from the same text and runs them as ci/cuda_host.py runs kernel code (blocks of 256
 std::threads, barriers for __syncthreads and the shuffles) on 1 to 3 rows, bf16 and normalized
 inputs, with and without biases, f32 and bf16 pools, a row with no slot (-1), head_dim 64 and 128
 and inputs of 256, 520 (a partial lane round) and 2048. Every output (q, k, v and both pools,
@@ -52,10 +54,29 @@ code = "\n".join(
         cut(eng, "template <int N, int T = 32 * GEMV_WARPS>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
         .replace("extern __shared__ uint4 gemv_smem[];", "static uint4 gemv_smem[4096];"),
         cut(eng, "__device__ __forceinline__ void rope_rotate", "rope_rotate("),
-        # The kernel twice from the same text: index data read after the dot products (as
-        # compiled by default) and before the PDL wait.
-        kernel.replace("void qkv_rope_kernel(", "void qkv_rope_late(").replace("QKV_INDEX_EARLY", "0"),
-        kernel.replace("void qkv_rope_kernel(", "void qkv_rope_early(").replace("QKV_INDEX_EARLY", "1"),
+        # Weights staged in shared memory (QKV_ASYNC): cp.async as a copy, and GEMV_TMA's bulk
+        # copies as one memcpy a row (GEMV_BULK; the check runs once each way).
+        "#define GEMV_BULK 0",
+        "static void gemv_stage16(uint4* dst, const uint4* src) { *dst = *src; }",
+        "static void gemv_stage_wait() { __syncwarp(); }",
+        "static void gemv_stage_init() {}",
+        "static unsigned gemv_stage_bar(int) { return 0; }",
+        "static void gemv_stage_bulk(uint4* dst, const uint4* src, unsigned bytes, unsigned) {\n"
+        "    memcpy(dst, src, bytes);\n}",
+        "#define QKV_STAGE_BYTES (GEMV_WARPS * 2 * GEMV_PRE * 32 * 16)",
+        "static uint4 g_tail[QKV_STAGE_BYTES / 16];",
+        "static uint4* smem_tail(unsigned) { return g_tail; }",
+        cut(eng, "template <int P>\n__device__ __forceinline__ void gemv_stage(", "gemv_stage("),
+        cut(eng, "struct StagedChunks {", "operator[](") + "\n};",
+        # The kernel twice from the same text: index data read after the dot products and
+        # the weights in registers, and index data read before the PDL wait with the weights
+        # staged.
+        kernel.replace("void qkv_rope_kernel(", "void qkv_rope_late(")
+        .replace("QKV_INDEX_EARLY", "0")
+        .replace("QKV_ASYNC", "0"),
+        kernel.replace("void qkv_rope_kernel(", "void qkv_rope_early(")
+        .replace("QKV_INDEX_EARLY", "1")
+        .replace("QKV_ASYNC", "1"),
     ]
 )
 
@@ -235,3 +256,4 @@ int main() {
 """
 
 run(code + MAIN, "qkv_rope_host_check")
+run(code.replace("#define GEMV_BULK 0", "#define GEMV_BULK 1") + MAIN, "qkv_rope_host_check (bulk copies)")

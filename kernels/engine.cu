@@ -664,6 +664,14 @@ __device__ __forceinline__ const bf16_t* gemv_norm_prologue(const float* x, cons
 #define SWIGLU_ASYNC 0
 #endif
 #define SWIGLU_STAGE_BYTES (SWIGLU_ASYNC ? GEMV_BLOCK_WARPS * 2 * GEMV_PRE * 32 * 16 : 0)
+// 1: the fused q/k/v + RoPE kernels (qkv_rope_kernel) stage each warp's rotary pair of rows
+// (GEMV_PRE chunks a lane of each, 8 KB a warp) in shared memory the same way, at the end of
+// their dynamic shared memory (the host's TAPEDECK_QKV_ASYNC=on). With GEMV_TMA, by bulk copies.
+// The same bits.
+#ifndef QKV_ASYNC
+#define QKV_ASYNC 0
+#endif
+#define QKV_STAGE_BYTES (QKV_ASYNC ? GEMV_WARPS * 2 * GEMV_PRE * 32 * 16 : 0)
 
 // 1 (the default): the plain GEMV entry points copy an input given as is (not normalized) into
 // shared memory first when the launch has room for it (gemv_x_prologue); the host gives the
@@ -1733,9 +1741,18 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     int r0 = hh * hd + i, r1 = r0 + half;
     const bf16_t* w0 = w + (live ? (size_t)r0 * in : 0);
     const bf16_t* w1 = w + (live ? (size_t)r1 * in : 0);
+#if QKV_ASYNC
+    uint4* slot0 = smem_tail(QKV_STAGE_BYTES) + (threadIdx.x >> 5) * 2 * GEMV_PRE * 32;
+    uint4* slot1 = slot0 + GEMV_PRE * 32;
+    gemv_stage_init();
+    gemv_stage<GEMV_PRE>(w0, in, lane, live, slot0);
+    gemv_stage<GEMV_PRE>(w1, in, lane, live, slot1);
+    const StagedChunks pre0{slot0 + lane}, pre1{slot1 + lane};
+#else
     uint4 pre0[GEMV_PRE], pre1[GEMV_PRE];
     gemv_prefetch(w0, in, lane, live, pre0);
     gemv_prefetch(w1, in, lane, live, pre1);
+#endif
     norm_prefetch(norm_w, in);
 #if QKV_INDEX_EARLY
     // The position, rotary frequency and cache slot this lane's row needs, read before the wait:
@@ -1751,6 +1768,9 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     pdl_launch_dependents();
     pdl_wait();
     if (norm_w) x = gemv_norm_prologue<N>((const float*)x, norm_w, eps, in);
+#if QKV_ASYNC
+    gemv_stage_wait();
+#endif
     TD_MARK(1);
     if (!live) return;
     float s0[N], s1[N];

@@ -148,7 +148,7 @@ impl Kernels {
         let mma = load_module(ctx, &kernels::DECODE_MMA, arch, trace)?;
         let fused = load_module(ctx, &kernels::FUSED, arch, trace)?;
         // The entry points for 1..=GEMV_MAX_ROWS rows; where they stage in shared memory (weights,
-        // `TAPEDECK_GEMV_ASYNC`, `TAPEDECK_SWIGLU_ASYNC`; the merge's splits,
+        // `TAPEDECK_GEMV_ASYNC`, `TAPEDECK_SWIGLU_ASYNC`, `TAPEDECK_QKV_ASYNC`; the merge's splits,
         // `TAPEDECK_MERGE_STAGED`) their shared-memory limit raised to GEMV_SMEM_LIMIT.
         let staged_rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str, raise: bool| {
             (1..=GEMV_MAX_ROWS)
@@ -182,7 +182,7 @@ impl Kernels {
                 rope_kv_write: f(&format!("rope_kv_write{sfx}"))?,
                 gemv_qkv_rope: match elem {
                     KvElem::Fp8 => Vec::new(),
-                    _ => rows(&module, &format!("gemv_bf16_qkv_rope{sfx}"))?,
+                    _ => staged_rows(&module, &format!("gemv_bf16_qkv_rope{sfx}"), t.qkv_async)?,
                 },
                 attention: f(&format!("attention{sfx}"))?,
                 attention_scores: f(&format!("attention_scores{sfx}"))?,

@@ -616,6 +616,13 @@ impl Gpu {
             a = a.p(l.w_bf16.ptr).p(bias(l));
         }
         let pairs = (rope.heads + 2 * rope.kv_heads) * rope.head_dim / 2;
+        // Staged weights (TAPEDECK_QKV_ASYNC) at the end of its shared memory.
+        let smem = with_stage(
+            smem,
+            tune::get().qkv_stage_bytes(GEMV_WARPS),
+            n,
+            layer.q.inp,
+        )?;
         rope.append(a).launch_pdl(
             &self.stream,
             gemv_for(&self.k.pool(rope.elem).gemv_qkv_rope, n)?,

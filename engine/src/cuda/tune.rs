@@ -106,6 +106,11 @@
 //!   `SWIGLU_ASYNC=1`; launches get `warps · 8 KB` more): 96 → 54 registers for one row, so the
 //!   down blocks after them fit beside their last wave, and the shared memory, not the
 //!   registers, decides how many gate/up blocks an SM holds. The same bits.
+//! - `TAPEDECK_QKV_ASYNC=on`: the fused q/k/v + RoPE kernels (`fuse=on`) stage each warp's two
+//!   rows the same way (compiled with `QKV_ASYNC=1`; launches get `warps · 8 KB` more). With the
+//!   kernel macro `GEMV_TMA=1` all three kinds of staging (`TAPEDECK_GEMV_ASYNC=8`,
+//!   `TAPEDECK_SWIGLU_ASYNC=on`, this) copy a warp's rows by bulk copies of the copy engine
+//!   (sm_90+), which leave the SM's load pipeline to the input read after the PDL wait.
 //! - `TAPEDECK_RUN_AHEAD=off`: `Engine::generate` waits for each decode step's token before
 //!   submitting the next (`on`, the default: the next step is enqueued first and reads the token
 //!   on the device, so the host's work between steps overlaps the step). The same tokens either
@@ -298,6 +303,8 @@ pub(crate) struct Tuning {
     pub gemv_async: usize,
     /// The gate/up kernels stage their weights in shared memory (`TAPEDECK_SWIGLU_ASYNC=on`).
     pub swiglu_async: bool,
+    /// The fused q/k/v kernels stage their weights in shared memory (`TAPEDECK_QKV_ASYNC=on`).
+    pub qkv_async: bool,
 }
 
 impl Tuning {
@@ -310,11 +317,21 @@ impl Tuning {
     /// The same for a gate/up launch (`TAPEDECK_SWIGLU_ASYNC`): two rows a warp, each what a
     /// warp prefetches (`GEMV_SLICE` bf16 inputs).
     pub fn swiglu_stage_bytes(&self, warps: usize) -> usize {
-        if self.swiglu_async {
-            warps * 2 * super::linears::GEMV_SLICE * 2
-        } else {
-            0
-        }
+        two_rows_a_warp(self.swiglu_async, warps)
+    }
+
+    /// The same for a fused q/k/v launch (`TAPEDECK_QKV_ASYNC`): a warp's rotary pair of rows.
+    pub fn qkv_stage_bytes(&self, warps: usize) -> usize {
+        two_rows_a_warp(self.qkv_async, warps)
+    }
+}
+
+/// Two prefetched rows (`GEMV_SLICE` bf16 inputs each) a warp, when `staged`.
+fn two_rows_a_warp(staged: bool, warps: usize) -> usize {
+    if staged {
+        warps * 2 * super::linears::GEMV_SLICE * 2
+    } else {
+        0
     }
 }
 
@@ -420,6 +437,10 @@ impl Tuning {
         if swiglu_async {
             nvrtc_defines.push("-DSWIGLU_ASYNC=1".into());
         }
+        let qkv_async = second(&var, "TAPEDECK_QKV_ASYNC", ["off", "on"]);
+        if qkv_async {
+            nvrtc_defines.push("-DQKV_ASYNC=1".into());
+        }
         let gemv_x_smem = !second(&var, "TAPEDECK_GEMV_X_SMEM", ["on", "off"]);
         if !gemv_x_smem {
             nvrtc_defines.push("-DGEMV_X_SMEM=0".into());
@@ -466,6 +487,7 @@ impl Tuning {
             merge_staged,
             gemv_async,
             swiglu_async,
+            qkv_async,
         }
     }
 }
@@ -563,6 +585,7 @@ mod tests {
                 merge_staged: false,
                 gemv_async: 0,
                 swiglu_async: false,
+                qkv_async: false,
             }
         );
         let t = parse(&[
@@ -652,6 +675,12 @@ mod tests {
         assert_eq!(off.swiglu_stage_bytes(8), 0);
         let gate_up = parse(&[("TAPEDECK_SWIGLU_ASYNC", "on")]);
         assert_eq!(gate_up.nvrtc_defines, ["-DSWIGLU_ASYNC=1"]);
+        let qkv = parse(&[("TAPEDECK_QKV_ASYNC", "on")]);
+        assert_eq!(qkv.nvrtc_defines, ["-DQKV_ASYNC=1"]);
+        assert_eq!(
+            (qkv.qkv_stage_bytes(8), qkv.swiglu_stage_bytes(8)),
+            (64 << 10, 0)
+        );
         assert_eq!(gate_up.swiglu_stage_bytes(8), 64 << 10);
         let p = parse(&[(
             "TAPEDECK_L2_PREFETCH",
