@@ -28,7 +28,9 @@ if [ -s $OUT/gen-def.txt ] && cmp $OUT/gen-def.txt $OUT/gen-tma.txt; then echo "
 echo "at ${SECONDS}s"
 S="TAPEDECK_GEMV_ASYNC=8+TAPEDECK_SWIGLU_ASYNC=on+TAPEDECK_QKV_ASYNC=on"
 T=(); [ $TMA = 1 ] && T=("$S+$D=GEMV_TMA=1 $B")
-REPS=2 bash bench/cuda/sweep.sh "X=1 $B" "${T[@]}" "$S $B" "$D=DA_TRIGGER_LATE=2 $B" > $OUT/sweep.md 2>&1
+# CONTROL=1 adds the cp.async staging (no bulk copies) as a control.
+C=(); [ "${CONTROL:-0}" = 1 ] && C=("$S $B")
+REPS=2 bash bench/cuda/sweep.sh "X=1 $B" "${T[@]}" "${C[@]}" "$D=DA_TRIGGER_LATE=2 $B" > $OUT/sweep.md 2>&1
 cut -d'|' -f2,4,5 $OUT/sweep.md
 echo "at ${SECONDS}s"
 ONLY_TESTS=1 TEST_TIMEOUT=150 timeout $((${LIMIT:-565}-SECONDS)) bash bench/cuda/run_engine_tests.sh $OUT/tests > $OUT/tests.log 2>&1
