@@ -12,7 +12,7 @@
 # (2) One layer traced with bulk copies and TD_MARK_POINT=1 (input ready): did the inputs come
 #     sooner after the waits than the twenty-fifth session's 2-4 µs?
 # (3) The rest of the GPU suite (the fused-decode variants and the cluster merge were cut in
-#     the twenty-sixth session; its 16 tests passed with the new defaults on an H200).
+#     the twenty-sixth session; its other 15 GPU tests passed with the new defaults on an H200).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 . bench/cuda/gpu_env.sh > /dev/null
