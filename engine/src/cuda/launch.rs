@@ -161,7 +161,6 @@ impl Kernels {
                 })
                 .collect::<Result<Vec<_>>>()
         };
-        let rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str| staged_rows(m, stem, false);
         let t = super::tune::get();
         let (stage, swiglu_stage) = (
             t.gemv_stage_bytes(t.gemv_block),
