@@ -181,3 +181,24 @@ def run(code, label):
         rc = subprocess.run([exe]).returncode
         if rc:
             sys.exit(rc)
+
+
+# The GEMV weight staging of kernels/engine.cu on the host: cp.async as a 16-byte copy, and
+# GEMV_TMA's bulk copies (one per staged row) as a memcpy, under `#define GEMV_BULK 0`, which
+# run_both_stagings flips.
+STAGING_STUBS = r"""
+#define GEMV_BULK 0
+static void gemv_stage16(uint4* dst, const uint4* src) { *dst = *src; }
+static void gemv_stage_wait() { __syncwarp(); }
+static void gemv_stage_init() {}
+static unsigned gemv_stage_bar(int) { return 0; }
+static void gemv_stage_bulk(uint4* dst, const uint4* src, unsigned bytes, unsigned) {
+    memcpy(dst, src, bytes);
+}
+"""
+
+
+def run_both_stagings(code, label):
+    """`run`s `code` (which holds STAGING_STUBS) with the chunk copies, then with the bulk ones."""
+    run(code, label)
+    run(code.replace("#define GEMV_BULK 0", "#define GEMV_BULK 1"), f"{label} (bulk copies)")

@@ -27,7 +27,7 @@ rows copied chunk by chunk as cp.async does, and whole as `GEMV_TMA`'s bulk copi
 """
 import re
 
-from cuda_host import cut, macro_default, run, source
+from cuda_host import STAGING_STUBS, cut, macro_default, run_both_stagings, source
 
 eng = source("engine.cu")
 
@@ -65,20 +65,14 @@ code = "\n".join(
         define("GEMV_STAGE_BYTES"),
         define("GEMV_STAGED"),
         "static uint4 g_stage[GEMV_WARPS * GEMV_STAGE_PRE * 32];",
-        "static void gemv_stage16(uint4* dst, const uint4* src) { *dst = *src; }",
-        "static void gemv_stage_wait() { __syncwarp(); }",
-        "static void gemv_stage_init() {}",
-        # GEMV_TMA's bulk copies (one per staged row, by lane 0): the check runs once with them
-        # (a memcpy here) and once with cp.async's per-lane chunks, both against the registers.
-        "#define GEMV_BULK 0",
-        "static unsigned gemv_stage_bar(int) { return 0; }",
-        "static void gemv_stage_bulk(uint4* dst, const uint4* src, unsigned bytes, unsigned) {\n"
-        "    memcpy(dst, src, bytes);\n}",
+        # cp.async's per-lane chunks and GEMV_TMA's bulk copies: the check runs once each way.
+        STAGING_STUBS,
         "static uint4* gemv_stage_slot(int warp) { return g_stage + warp * GEMV_STAGE_PRE * 32; }",
         "#define SWIGLU_ASYNC 1",
         define("SWIGLU_STAGE_BYTES"),
         "static uint4 g_tail[SWIGLU_STAGE_BYTES / 16];",
         "static uint4* smem_tail(unsigned) { return g_tail; }",
+        cut(eng, "__device__ __forceinline__ uint4* two_row_stage", "two_row_stage("),
         default("GEMV_STREAM_DEPTH"),
         "#define GEMV_PERSIST 0",
         cut(eng, "template <int N, int T = 256, typename Store>", "rms_norm_rows("),
@@ -343,5 +337,4 @@ int main() {
 """
 
 if __name__ == "__main__":
-    run(code + MAIN, "gemv_stream_host_check")
-    run(code.replace("#define GEMV_BULK 0", "#define GEMV_BULK 1") + MAIN, "gemv_stream_host_check (bulk copies)")
+    run_both_stagings(code + MAIN, "gemv_stream_host_check")

@@ -17,7 +17,7 @@ double at the kernel's f32 angle, rounded to bf16 for a bf16 pool.
 
     python3 ci/qkv_rope_host_check.py     # needs g++ (C++20)
 """
-from cuda_host import cut, macro_default, run, source
+from cuda_host import STAGING_STUBS, cut, macro_default, run_both_stagings, source
 
 eng = source("engine.cu")
 
@@ -56,16 +56,11 @@ code = "\n".join(
         cut(eng, "__device__ __forceinline__ void rope_rotate", "rope_rotate("),
         # Weights staged in shared memory (QKV_ASYNC): cp.async as a copy, and GEMV_TMA's bulk
         # copies as one memcpy a row (GEMV_BULK; the check runs once each way).
-        "#define GEMV_BULK 0",
-        "static void gemv_stage16(uint4* dst, const uint4* src) { *dst = *src; }",
-        "static void gemv_stage_wait() { __syncwarp(); }",
-        "static void gemv_stage_init() {}",
-        "static unsigned gemv_stage_bar(int) { return 0; }",
-        "static void gemv_stage_bulk(uint4* dst, const uint4* src, unsigned bytes, unsigned) {\n"
-        "    memcpy(dst, src, bytes);\n}",
+        STAGING_STUBS,
         "#define QKV_STAGE_BYTES (GEMV_WARPS * 2 * GEMV_PRE * 32 * 16)",
         "static uint4 g_tail[QKV_STAGE_BYTES / 16];",
         "static uint4* smem_tail(unsigned) { return g_tail; }",
+        cut(eng, "__device__ __forceinline__ uint4* two_row_stage", "two_row_stage("),
         cut(eng, "template <int P>\n__device__ __forceinline__ void gemv_stage(", "gemv_stage("),
         cut(eng, "struct StagedChunks {", "operator[](") + "\n};",
         # The kernel twice from the same text: index data read after the dot products and
@@ -255,5 +250,4 @@ int main() {
 }
 """
 
-run(code + MAIN, "qkv_rope_host_check")
-run(code.replace("#define GEMV_BULK 0", "#define GEMV_BULK 1") + MAIN, "qkv_rope_host_check (bulk copies)")
+run_both_stagings(code + MAIN, "qkv_rope_host_check")

@@ -923,6 +923,12 @@ __device__ __forceinline__ void gemv_stage(const bf16_t* w, int in, int lane, bo
 #endif
 }
 
+// This warp's stage of two rows (GEMV_PRE chunks a lane each, the second right after the first)
+// in the last `bytes` of the block's dynamic shared memory: gate/up's and q/k/v's staging.
+__device__ __forceinline__ uint4* two_row_stage(unsigned int bytes) {
+    return smem_tail(bytes) + (threadIdx.x >> 5) * 2 * GEMV_PRE * 32;
+}
+
 // A lane's staged chunks as gemv_row reads them: pre[u] is chunk lane + 32u.
 struct StagedChunks {
     const uint4* lane_slot;  // the stage + lane
@@ -1126,7 +1132,7 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     bool live = row < inter;
     size_t at = live ? (size_t)row * in : 0;
 #if SWIGLU_ASYNC && !GEMV_PERSIST
-    uint4* slot_g = smem_tail(SWIGLU_STAGE_BYTES) + (threadIdx.x >> 5) * 2 * GEMV_PRE * 32;
+    uint4* slot_g = two_row_stage(SWIGLU_STAGE_BYTES);
     uint4* slot_u = slot_g + GEMV_PRE * 32;
     gemv_stage_init();
     gemv_stage<GEMV_PRE>(wg + at, in, lane, live, slot_g);
@@ -1742,7 +1748,7 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     const bf16_t* w0 = w + (live ? (size_t)r0 * in : 0);
     const bf16_t* w1 = w + (live ? (size_t)r1 * in : 0);
 #if QKV_ASYNC
-    uint4* slot0 = smem_tail(QKV_STAGE_BYTES) + (threadIdx.x >> 5) * 2 * GEMV_PRE * 32;
+    uint4* slot0 = two_row_stage(QKV_STAGE_BYTES);
     uint4* slot1 = slot0 + GEMV_PRE * 32;
     gemv_stage_init();
     gemv_stage<GEMV_PRE>(w0, in, lane, live, slot0);

@@ -146,8 +146,9 @@ fn generated(spec: &str, fs: &FixtureSpec) -> Result<PathBuf> {
     })
 }
 
-/// `dir`, unless `dir/marker` exists already made by `build` into a private directory and then
-/// renamed into place, so that a concurrent or interrupted run never sees a half-written model.
+/// `dir`, built first by `build` unless `dir/marker` shows it complete. `build` writes into a
+/// private directory that is then renamed into place, so that a concurrent or interrupted run
+/// never sees a half-written model.
 fn install(dir: &Path, marker: &str, build: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
     if dir.join(marker).exists() {
         return Ok(dir.to_path_buf());
