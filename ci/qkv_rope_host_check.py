@@ -48,7 +48,11 @@ code = "\n".join(
         # The weight loads' PTX (ld.global.nc with cache hints), as a plain load.
         "static uint4 load_stream(const uint4* p) { return *p; }",
         cut(eng, "template <bool XF32>\n__device__ __forceinline__ void load_x8", "load_x8("),
-        cut(eng, "__device__ __forceinline__ void gemv_prefetch", "gemv_prefetch("),
+        cut(eng, "template <int From = 0, int To = GEMV_PRE>\n__device__ __forceinline__ void gemv_prefetch", "gemv_prefetch("),
+        # The kernels holding their weights in registers request 3 of a lane's GEMV_PRE chunks
+        # before the PDL wait and the rest after the input (the *_PRE_EARLY knobs), so the
+        # split's second half is checked against the staged kernels too.
+        "#define QKV_PRE_EARLY 3",
         cut(eng, "template <int N, bool XF32>\n__device__ __forceinline__ void gemv_chunk", "void gemv_store("),
         # The dynamic shared memory of a GEMV block, as a fixed host array.
         cut(eng, "template <int N, int T = 32 * GEMV_WARPS>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")

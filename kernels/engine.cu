@@ -520,14 +520,44 @@ __device__ __forceinline__ void load_x8(const void* x, size_t off, float v[8]) {
 // row (in 16-byte chunks, 8 per lane).
 #define GEMV_PRE 8
 
-// The first GEMV_PRE chunks of this lane (chunk lane + 32 u) of weight row w, zero past the end
-// or for a warp without a row (live false).
+// How many of those GEMV_PRE chunks a lane requests before its PDL wait, in the plain GEMV
+// kernels (GEMV_PRE_EARLY), the gate/up kernels (SWIGLU_PRE_EARLY) and the fused q/k/v + RoPE
+// kernels (QKV_PRE_EARLY) with weights in registers; the rest are requested once the input is
+// ready. Fewer bytes requested early leave the SM's memory pipe and the DRAM queues shorter
+// when the kernel before reads its input after its own wait (gate/up's first wave is resident
+// beside the o GEMV, q/k/v's beside down), at the cost of one more round trip here. The same
+// bits. Sweep knobs (TAPEDECK_NVRTC_DEFINES=SWIGLU_PRE_EARLY=4,...). H100, batch-1 decode,
+// twenty-seventh session (gpu-s27): all 8 early 936-938 tok/s; gate/up 3 and q/k/v 6 (the
+// defaults) 951.6 / 952.0; gate/up 4 alone 945, 2 alone 937, 0 alone 910, 5 (q/k/v 6) 938;
+// the plain GEMVs (o, down, head) at 6 lose 4% and stay at 8. Finer knobs, not yet timed:
+// GEMV_PRE_EARLY_SPLIT for the plain GEMV launches whose rows are split over several warps (the
+// down projection), and SWIGLU_PRE_EARLY_UP for gate/up's up row alone.
+#ifndef GEMV_PRE_EARLY
+#define GEMV_PRE_EARLY GEMV_PRE
+#endif
+#ifndef GEMV_PRE_EARLY_SPLIT
+#define GEMV_PRE_EARLY_SPLIT GEMV_PRE_EARLY
+#endif
+#ifndef SWIGLU_PRE_EARLY
+#define SWIGLU_PRE_EARLY 3
+#endif
+#ifndef SWIGLU_PRE_EARLY_UP
+#define SWIGLU_PRE_EARLY_UP SWIGLU_PRE_EARLY
+#endif
+#ifndef QKV_PRE_EARLY
+#define QKV_PRE_EARLY 6
+#endif
+
+// Chunks From..To of this lane's first GEMV_PRE (chunk lane + 32 u) of weight row w, zero past
+// the end or for a warp without a row (live false). Split in two calls where part of the row is
+// requested before the PDL wait and the rest once the input is ready (GEMV_PRE_EARLY).
+template <int From = 0, int To = GEMV_PRE>
 __device__ __forceinline__ void gemv_prefetch(const bf16_t* w, int in, int lane, bool live,
                                               uint4 pre[GEMV_PRE]) {
     const uint4* wr = (const uint4*)w;
     int chunks = in / 8;
 #pragma unroll
-    for (int u = 0; u < GEMV_PRE; u++) {
+    for (int u = From; u < To; u++) {
         int c = lane + 32 * u;
         pre[u] = live && c < chunks ? load_stream(wr + c) : make_uint4(0, 0, 0, 0);
     }
@@ -995,8 +1025,15 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     gemv_stage<GEMV_STAGE_PRE>(weights(cur), len, lane, cur.live, slot);
     const StagedChunks pre{slot + lane};
 #else
+    // The chunks requested before the wait: GEMV_PRE_EARLY, or GEMV_PRE_EARLY_SPLIT for rows
+    // split over several warps; the indices stay compile-time constants in both branches.
+    constexpr int early_min = GEMV_PRE_EARLY < GEMV_PRE_EARLY_SPLIT ? GEMV_PRE_EARLY : GEMV_PRE_EARLY_SPLIT;
     uint4 pre[GEMV_PRE];
-    gemv_prefetch(weights(cur), len, lane, cur.live, pre);
+    gemv_prefetch<0, early_min>(weights(cur), len, lane, cur.live, pre);
+    if (splits > 1)
+        gemv_prefetch<early_min, GEMV_PRE_EARLY_SPLIT>(weights(cur), len, lane, cur.live, pre);
+    else
+        gemv_prefetch<early_min, GEMV_PRE_EARLY>(weights(cur), len, lane, cur.live, pre);
 #endif
     const bool late = GEMV_F32_TRIGGER_LATE && input.f32_as_given();
     input.prefetch(in);
@@ -1019,6 +1056,11 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     const void* x = input(N, in, &x_f32);
 #if GEMV_STAGED
     gemv_stage_wait();
+#else
+    if (splits > 1)
+        gemv_prefetch<GEMV_PRE_EARLY_SPLIT>(weights(cur), len, lane, cur.live, pre);
+    else
+        gemv_prefetch<GEMV_PRE_EARLY>(weights(cur), len, lane, cur.live, pre);
 #endif
     TD_MARK(1);
     // A persistent grid (GEMV_PERSIST, grid smaller than the row groups) loops over the groups,
@@ -1149,12 +1191,14 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     swiglu_store<N>(g, u, bg, bu, out, inter, row, lane);
 #else
     uint4 pre_g[GEMV_PRE], pre_u[GEMV_PRE];
-    gemv_prefetch(wg + at, in, lane, live, pre_g);
-    gemv_prefetch(wu + at, in, lane, live, pre_u);
+    gemv_prefetch<0, SWIGLU_PRE_EARLY>(wg + at, in, lane, live, pre_g);
+    gemv_prefetch<0, SWIGLU_PRE_EARLY_UP>(wu + at, in, lane, live, pre_u);
     norm_prefetch(norm_w, in);
     pdl_launch_dependents();
     pdl_wait();
     if (norm_w) x = gemv_norm_prologue<N, 32 * GEMV_BLOCK_WARPS>((const float*)x, norm_w, eps, in);
+    gemv_prefetch<SWIGLU_PRE_EARLY>(wg + at, in, lane, live, pre_g);
+    gemv_prefetch<SWIGLU_PRE_EARLY_UP>(wu + at, in, lane, live, pre_u);
     TD_MARK(1);
     // A persistent grid (GEMV_PERSIST) loops over features: each projection's next row is
     // requested as soon as this one's prefetched chunks are consumed.
@@ -1756,8 +1800,8 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     const StagedChunks pre0{slot0 + lane}, pre1{slot1 + lane};
 #else
     uint4 pre0[GEMV_PRE], pre1[GEMV_PRE];
-    gemv_prefetch(w0, in, lane, live, pre0);
-    gemv_prefetch(w1, in, lane, live, pre1);
+    gemv_prefetch<0, QKV_PRE_EARLY>(w0, in, lane, live, pre0);
+    gemv_prefetch<0, QKV_PRE_EARLY>(w1, in, lane, live, pre1);
 #endif
     norm_prefetch(norm_w, in);
 #if QKV_INDEX_EARLY
@@ -1776,6 +1820,9 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     if (norm_w) x = gemv_norm_prologue<N>((const float*)x, norm_w, eps, in);
 #if QKV_ASYNC
     gemv_stage_wait();
+#else
+    gemv_prefetch<QKV_PRE_EARLY>(w0, in, lane, live, pre0);
+    gemv_prefetch<QKV_PRE_EARLY>(w1, in, lane, live, pre1);
 #endif
     TD_MARK(1);
     if (!live) return;

@@ -7,8 +7,10 @@
 //!
 //! - `TAPEDECK_NVRTC_DEFINES=NAME=VALUE,...`: preprocessor definitions for every kernel source
 //!   (each kernel's tunable macros are `#ifndef`-guarded: decode_step.cu's `MK_MIN_BLOCKS`,
-//!   `MK_DEPTH`, `MK_SWIGLU_DEPTH`, `MK_PHASES`), e.g. `MK_MIN_BLOCKS=1`. They enter the PTX
-//!   cache key like any other compile option.
+//!   `MK_DEPTH`, `MK_SWIGLU_DEPTH`, `MK_PHASES`; engine.cu's `SWIGLU_PRE_EARLY`,
+//!   `QKV_PRE_EARLY`, `GEMV_PRE_EARLY`: how much of each weight row a GEMV requests before its
+//!   PDL wait), e.g. `MK_MIN_BLOCKS=1`. They enter the PTX cache key like any other compile
+//!   option.
 //! - `TAPEDECK_MMA_SPLIT_MIN=N`: the shortest split of the mma decode kernel's split-K (a
 //!   multiple of 64, default 128).
 //! - `TAPEDECK_GEMV_SLICE=N`: the longest slice of a weight row one GEMV warp reads (256, 512,
