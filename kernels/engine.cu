@@ -531,12 +531,16 @@ __device__ __forceinline__ void load_x8(const void* x, size_t off, float v[8]) {
 // defaults) 951.6 / 952.0; gate/up 4 alone 945, 2 alone 937, 0 alone 910, 5 (q/k/v 6) 938;
 // the plain GEMVs (o, down, head) at 6 lose 4% and stay at 8. Finer knobs, not yet timed:
 // GEMV_PRE_EARLY_SPLIT for the plain GEMV launches whose rows are split over several warps (the
-// down projection), and SWIGLU_PRE_EARLY_UP for gate/up's up row alone.
+// down projection), GEMV_PRE_EARLY_ADD for those that add to the residual without a split (o;
+// GEMV_PRE_EARLY is then left to the head), and SWIGLU_PRE_EARLY_UP for gate/up's up row alone.
 #ifndef GEMV_PRE_EARLY
 #define GEMV_PRE_EARLY GEMV_PRE
 #endif
 #ifndef GEMV_PRE_EARLY_SPLIT
 #define GEMV_PRE_EARLY_SPLIT GEMV_PRE_EARLY
+#endif
+#ifndef GEMV_PRE_EARLY_ADD
+#define GEMV_PRE_EARLY_ADD GEMV_PRE_EARLY
 #endif
 #ifndef SWIGLU_PRE_EARLY
 #define SWIGLU_PRE_EARLY 3
@@ -558,6 +562,20 @@ __device__ __forceinline__ void gemv_prefetch(const bf16_t* w, int in, int lane,
     int chunks = in / 8;
 #pragma unroll
     for (int u = From; u < To; u++) {
+        int c = lane + 32 * u;
+        pre[u] = live && c < chunks ? load_stream(wr + c) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// gemv_prefetch of chunks from..to chosen at run time: every index of `pre` stays a
+// compile-time constant (a predicate per chunk), so the chunks stay in registers.
+__device__ __forceinline__ void gemv_prefetch_span(const bf16_t* w, int in, int lane, bool live,
+                                                   uint4 pre[GEMV_PRE], int from, int to) {
+    const uint4* wr = (const uint4*)w;
+    int chunks = in / 8;
+#pragma unroll
+    for (int u = 0; u < GEMV_PRE; u++) {
+        if (u < from || u >= to) continue;
         int c = lane + 32 * u;
         pre[u] = live && c < chunks ? load_stream(wr + c) : make_uint4(0, 0, 0, 0);
     }
@@ -1025,15 +1043,12 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     gemv_stage<GEMV_STAGE_PRE>(weights(cur), len, lane, cur.live, slot);
     const StagedChunks pre{slot + lane};
 #else
-    // The chunks requested before the wait: GEMV_PRE_EARLY, or GEMV_PRE_EARLY_SPLIT for rows
-    // split over several warps; the indices stay compile-time constants in both branches.
-    constexpr int early_min = GEMV_PRE_EARLY < GEMV_PRE_EARLY_SPLIT ? GEMV_PRE_EARLY : GEMV_PRE_EARLY_SPLIT;
+    // The chunks requested before the wait, by the launch's kind: rows split over several warps
+    // (down), a residual add without a split (o), or neither (the head). With equal knobs (the
+    // default) `early` is a constant and the prefetch compiles as before.
+    const int early = splits > 1 ? GEMV_PRE_EARLY_SPLIT : add ? GEMV_PRE_EARLY_ADD : GEMV_PRE_EARLY;
     uint4 pre[GEMV_PRE];
-    gemv_prefetch<0, early_min>(weights(cur), len, lane, cur.live, pre);
-    if (splits > 1)
-        gemv_prefetch<early_min, GEMV_PRE_EARLY_SPLIT>(weights(cur), len, lane, cur.live, pre);
-    else
-        gemv_prefetch<early_min, GEMV_PRE_EARLY>(weights(cur), len, lane, cur.live, pre);
+    gemv_prefetch_span(weights(cur), len, lane, cur.live, pre, 0, early);
 #endif
     const bool late = GEMV_F32_TRIGGER_LATE && input.f32_as_given();
     input.prefetch(in);
@@ -1057,10 +1072,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
 #if GEMV_STAGED
     gemv_stage_wait();
 #else
-    if (splits > 1)
-        gemv_prefetch<GEMV_PRE_EARLY_SPLIT>(weights(cur), len, lane, cur.live, pre);
-    else
-        gemv_prefetch<GEMV_PRE_EARLY>(weights(cur), len, lane, cur.live, pre);
+    gemv_prefetch_span(weights(cur), len, lane, cur.live, pre, early, GEMV_PRE);
 #endif
     TD_MARK(1);
     // A persistent grid (GEMV_PERSIST, grid smaller than the row groups) loops over the groups,
