@@ -80,7 +80,7 @@ code = "\n".join(
         # The weight loads' PTX (ld.global.nc with cache hints), as a plain load.
         "static uint4 load_stream(const uint4* p) { return *p; }",
         cut(eng, "template <bool XF32>\n__device__ __forceinline__ void load_x8", "load_x8("),
-        cut(eng, "template <int From = 0, int To = GEMV_PRE>\n__device__ __forceinline__ void gemv_prefetch", "gemv_prefetch_span("),
+        cut(eng, "__device__ __forceinline__ void gemv_prefetch_span", "gemv_prefetch("),
         # The kernels holding their weights in registers request part of a lane's GEMV_PRE
         # chunks before the PDL wait and the rest after the input (the *_PRE_EARLY knobs; 3,
         # 5 for rows split over warps, 2 for a residual add, 3 of gate's and 6 of up's), so the

@@ -552,23 +552,11 @@ __device__ __forceinline__ void load_x8(const void* x, size_t off, float v[8]) {
 #define QKV_PRE_EARLY 6
 #endif
 
-// Chunks From..To of this lane's first GEMV_PRE (chunk lane + 32 u) of weight row w, zero past
-// the end or for a warp without a row (live false). Split in two calls where part of the row is
-// requested before the PDL wait and the rest once the input is ready (GEMV_PRE_EARLY).
-template <int From = 0, int To = GEMV_PRE>
-__device__ __forceinline__ void gemv_prefetch(const bf16_t* w, int in, int lane, bool live,
-                                              uint4 pre[GEMV_PRE]) {
-    const uint4* wr = (const uint4*)w;
-    int chunks = in / 8;
-#pragma unroll
-    for (int u = From; u < To; u++) {
-        int c = lane + 32 * u;
-        pre[u] = live && c < chunks ? load_stream(wr + c) : make_uint4(0, 0, 0, 0);
-    }
-}
-
-// gemv_prefetch of chunks from..to chosen at run time: every index of `pre` stays a
-// compile-time constant (a predicate per chunk), so the chunks stay in registers.
+// Chunks from..to of this lane's first GEMV_PRE (chunk lane + 32 u) of weight row w, zero past
+// the end or for a warp without a row (live false). Called twice where part of the row is
+// requested before the PDL wait and the rest once the input is ready (the *_PRE_EARLY knobs).
+// The bounds may be run-time values: every index of `pre` stays a compile-time constant (a
+// predicate per chunk), so the chunks stay in registers.
 __device__ __forceinline__ void gemv_prefetch_span(const bf16_t* w, int in, int lane, bool live,
                                                    uint4 pre[GEMV_PRE], int from, int to) {
     const uint4* wr = (const uint4*)w;
@@ -579,6 +567,13 @@ __device__ __forceinline__ void gemv_prefetch_span(const bf16_t* w, int in, int 
         int c = lane + 32 * u;
         pre[u] = live && c < chunks ? load_stream(wr + c) : make_uint4(0, 0, 0, 0);
     }
+}
+
+// gemv_prefetch_span with bounds known at compile time; by default the whole GEMV_PRE chunks.
+template <int From = 0, int To = GEMV_PRE>
+__device__ __forceinline__ void gemv_prefetch(const bf16_t* w, int in, int lane, bool live,
+                                              uint4 pre[GEMV_PRE]) {
+    gemv_prefetch_span(w, in, lane, live, pre, From, To);
 }
 
 // acc[r] += x[r][k0 + 8c .. k0 + 8c + 8] · q (8 bf16 weights) for the N input rows.
