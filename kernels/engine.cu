@@ -529,10 +529,12 @@ __device__ __forceinline__ void load_x8(const void* x, size_t off, float v[8]) {
 // bits. Sweep knobs (TAPEDECK_NVRTC_DEFINES=SWIGLU_PRE_EARLY=4,...). H100, batch-1 decode,
 // twenty-seventh session (gpu-s27): all 8 early 936-938 tok/s; gate/up 3 and q/k/v 6 (the
 // defaults) 951.6 / 952.0; gate/up 4 alone 945, 2 alone 937, 0 alone 910, 5 (q/k/v 6) 938;
-// the plain GEMVs (o, down, head) at 6 lose 4% and stay at 8. Finer knobs, not yet timed:
+// the plain GEMVs (o, down, head) at 6 lose 4% and stay at 8. Finer knobs:
 // GEMV_PRE_EARLY_SPLIT for the plain GEMV launches whose rows are split over several warps (the
 // down projection), GEMV_PRE_EARLY_ADD for those that add to the residual without a split (o;
 // GEMV_PRE_EARLY is then left to the head), and SWIGLU_PRE_EARLY_UP for gate/up's up row alone.
+// Twenty-eighth session (gpu-s28, H100, one call): the defaults 957.0, all 8 early 939.1; down
+// at 6 / 4 899.3 / 913.4, o at 6 920.5, the head at 6 884.0, gate 4 / up 2 958.4 tok/s.
 #ifndef GEMV_PRE_EARLY
 #define GEMV_PRE_EARLY GEMV_PRE
 #endif
@@ -551,6 +553,22 @@ __device__ __forceinline__ void load_x8(const void* x, size_t off, float v[8]) {
 #ifndef QKV_PRE_EARLY
 #define QKV_PRE_EARLY 6
 #endif
+// Only a launch's first PRE_SPLIT_PER_SM blocks per SM split their requests around the PDL wait
+// (0: every block does). Why: a block that starts after the launch's first blocks have ended
+// starts after the kernel before has ended too (those blocks passed their wait), so its wait
+// returns at once and a split only adds a round trip; the head GEMV's 16k blocks at 6 early lost
+// 7% (gpu-s28). The SM count is %nsmid (the highest SM ID + 1: 132 or more on an H100), so the
+// bound is approximate; blocks launched after it request their whole rows up front.
+#ifndef PRE_SPLIT_PER_SM
+#define PRE_SPLIT_PER_SM 0
+#endif
+#if PRE_SPLIT_PER_SM
+__device__ __forceinline__ unsigned int sm_ids() {
+    unsigned int n;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(n));
+    return n;
+}
+#endif
 
 // Chunks from..to of this lane's first GEMV_PRE (chunk lane + 32 u) of weight row w, zero past
 // the end or for a warp without a row (live false). Called twice where part of the row is
@@ -567,6 +585,16 @@ __device__ __forceinline__ void gemv_prefetch_span(const bf16_t* w, int in, int 
         int c = lane + 32 * u;
         pre[u] = live && c < chunks ? load_stream(wr + c) : make_uint4(0, 0, 0, 0);
     }
+}
+
+// How many chunks this block requests before its PDL wait: `early` (a *_PRE_EARLY knob) in the
+// launch's first wave (PRE_SPLIT_PER_SM), all GEMV_PRE after it.
+__device__ __forceinline__ int pre_early(int early) {
+#if PRE_SPLIT_PER_SM
+    return blockIdx.x < PRE_SPLIT_PER_SM * sm_ids() ? early : GEMV_PRE;
+#else
+    return early;
+#endif
 }
 
 // gemv_prefetch_span with bounds known at compile time; by default the whole GEMV_PRE chunks.
@@ -1041,7 +1069,8 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     // The chunks requested before the wait, by the launch's kind: rows split over several warps
     // (down), a residual add without a split (o), or neither (the head). With equal knobs (the
     // default) `early` is a constant and the prefetch compiles as before.
-    const int early = splits > 1 ? GEMV_PRE_EARLY_SPLIT : add ? GEMV_PRE_EARLY_ADD : GEMV_PRE_EARLY;
+    const int early =
+        pre_early(splits > 1 ? GEMV_PRE_EARLY_SPLIT : add ? GEMV_PRE_EARLY_ADD : GEMV_PRE_EARLY);
     uint4 pre[GEMV_PRE];
     gemv_prefetch_span(weights(cur), len, lane, cur.live, pre, 0, early);
 #endif
@@ -1198,14 +1227,15 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     swiglu_store<N>(g, u, bg, bu, out, inter, row, lane);
 #else
     uint4 pre_g[GEMV_PRE], pre_u[GEMV_PRE];
-    gemv_prefetch<0, SWIGLU_PRE_EARLY>(wg + at, in, lane, live, pre_g);
-    gemv_prefetch<0, SWIGLU_PRE_EARLY_UP>(wu + at, in, lane, live, pre_u);
+    const int early_g = pre_early(SWIGLU_PRE_EARLY), early_u = pre_early(SWIGLU_PRE_EARLY_UP);
+    gemv_prefetch_span(wg + at, in, lane, live, pre_g, 0, early_g);
+    gemv_prefetch_span(wu + at, in, lane, live, pre_u, 0, early_u);
     norm_prefetch(norm_w, in);
     pdl_launch_dependents();
     pdl_wait();
     if (norm_w) x = gemv_norm_prologue<N, 32 * GEMV_BLOCK_WARPS>((const float*)x, norm_w, eps, in);
-    gemv_prefetch<SWIGLU_PRE_EARLY>(wg + at, in, lane, live, pre_g);
-    gemv_prefetch<SWIGLU_PRE_EARLY_UP>(wu + at, in, lane, live, pre_u);
+    gemv_prefetch_span(wg + at, in, lane, live, pre_g, early_g, GEMV_PRE);
+    gemv_prefetch_span(wu + at, in, lane, live, pre_u, early_u, GEMV_PRE);
     TD_MARK(1);
     // A persistent grid (GEMV_PERSIST) loops over features: each projection's next row is
     // requested as soon as this one's prefetched chunks are consumed.
@@ -1807,8 +1837,9 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     const StagedChunks pre0{slot0 + lane}, pre1{slot1 + lane};
 #else
     uint4 pre0[GEMV_PRE], pre1[GEMV_PRE];
-    gemv_prefetch<0, QKV_PRE_EARLY>(w0, in, lane, live, pre0);
-    gemv_prefetch<0, QKV_PRE_EARLY>(w1, in, lane, live, pre1);
+    const int early = pre_early(QKV_PRE_EARLY);
+    gemv_prefetch_span(w0, in, lane, live, pre0, 0, early);
+    gemv_prefetch_span(w1, in, lane, live, pre1, 0, early);
 #endif
     norm_prefetch(norm_w, in);
 #if QKV_INDEX_EARLY
@@ -1828,8 +1859,8 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
 #if QKV_ASYNC
     gemv_stage_wait();
 #else
-    gemv_prefetch<QKV_PRE_EARLY>(w0, in, lane, live, pre0);
-    gemv_prefetch<QKV_PRE_EARLY>(w1, in, lane, live, pre1);
+    gemv_prefetch_span(w0, in, lane, live, pre0, early, GEMV_PRE);
+    gemv_prefetch_span(w1, in, lane, live, pre1, early, GEMV_PRE);
 #endif
     TD_MARK(1);
     if (!live) return;
