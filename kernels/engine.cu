@@ -597,11 +597,10 @@ __device__ __forceinline__ int pre_early(int early) {
 #endif
 }
 
-// gemv_prefetch_span with bounds known at compile time; by default the whole GEMV_PRE chunks.
-template <int From = 0, int To = GEMV_PRE>
+// All GEMV_PRE chunks of the lane's share of weight row w (gemv_prefetch_span's whole span).
 __device__ __forceinline__ void gemv_prefetch(const bf16_t* w, int in, int lane, bool live,
                                               uint4 pre[GEMV_PRE]) {
-    gemv_prefetch_span(w, in, lane, live, pre, From, To);
+    gemv_prefetch_span(w, in, lane, live, pre, 0, GEMV_PRE);
 }
 
 // acc[r] += x[r][k0 + 8c .. k0 + 8c + 8] · q (8 bf16 weights) for the N input rows.
