@@ -200,6 +200,18 @@ fn nvrtc_compiles_every_kernel_for_sm90_and_sm120() {
             println!("{} assembles for {sm}", src.name);
         }
     }
+    // The engine compiles its files on several threads at once (cuda/launch.rs `load_modules`,
+    // through the PTX cache): each thread gets its own file's PTX, every entry point in it.
+    let srcs = [&kernels::ENGINE, &kernels::DECODE_MMA, &kernels::PREFILL];
+    let ptxs = std::thread::scope(|s| {
+        let jobs = srcs.map(|src| s.spawn(move || kernels::ptx(src, "compute_90")));
+        jobs.map(|j| j.join().expect("compile thread").expect("PTX"))
+    });
+    for (src, ptx) in srcs.iter().zip(&ptxs) {
+        for e in src.entry_points {
+            assert!(ptx.contains(&format!(".entry {e}(")), "{}: {e}", src.name);
+        }
+    }
 }
 
 /// `n` rows of `inp` values drawn from N(0, 1)-ish (a sum of uniforms), never all zero.

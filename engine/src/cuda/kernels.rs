@@ -300,12 +300,8 @@ pub fn ptx(src: &KernelSource, arch: &str) -> Result<String> {
             return Ok(p.clone());
         }
     }
-    let mut map = memory_cache()
-        .write()
-        .map_err(|_| Error::Device("kernel cache lock poisoned".into()))?;
-    if let Some(p) = map.get(&key) {
-        return Ok(p.clone());
-    }
+    // Compiled outside the lock, so several files compile at once (cuda/launch.rs
+    // `load_modules`); a file two threads want at once is compiled twice, the same text.
     let file = cache_dir().map(|d| d.join(format!("{key}.ptx")));
     let from_disk = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok());
     let text = match from_disk {
@@ -325,7 +321,10 @@ pub fn ptx(src: &KernelSource, arch: &str) -> Result<String> {
             t
         }
     };
-    map.insert(key, text.clone());
+    memory_cache()
+        .write()
+        .map_err(|_| Error::Device("kernel cache lock poisoned".into()))?
+        .insert(key, text.clone());
     Ok(text)
 }
 

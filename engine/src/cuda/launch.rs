@@ -47,8 +47,8 @@ pub(super) struct Kernels {
     pub(super) gemv_swiglu: Vec<CudaFunction>,
     /// gate/up and down as one dataflow grid (`fuse=on` with `mlp`), for 1 and 2 rows.
     pub(super) mlp_flow: [CudaFunction; 2],
-    /// The o projection that merges the mma kernel's splits as it reads them (`fuse=on`), per
-    /// row count like `gemv`.
+    /// The o projection that merges the mma kernel's splits as it reads them (`fuse=on` with
+    /// `merge`), per row count like `gemv`; empty unless `TAPEDECK_FUSE` names `merge`.
     pub(super) gemv_merged: Vec<CudaFunction>,
     /// The one-row GEMV and gate/up kernels on a resident grid, each warp streaming its rows
     /// (`TAPEDECK_GEMV_STREAM`, cuda/tune.rs): the same bits as `gemv[0]` and `gemv_swiglu[0]`.
@@ -85,6 +85,40 @@ pub(super) fn load_module(
         t.attach(&module, stream)?;
     }
     Ok(module)
+}
+
+/// The kernel files of `srcs` (None: not wanted) compiled and loaded side by side, one thread
+/// each, in the order given. Why: NVRTC and the driver's PTX compiler take one thread per
+/// program, and an engine start on a new kernel configuration (every `TAPEDECK_NVRTC_DEFINES`
+/// sweep point) spent most of its time compiling its files one after another.
+pub(super) fn load_modules<const N: usize>(
+    ctx: &Arc<CudaContext>,
+    srcs: [Option<&kernels::KernelSource>; N],
+    arch: &str,
+    trace: Option<(&trace::Trace, &Arc<CudaStream>)>,
+) -> Result<[Option<Arc<cudarc::driver::CudaModule>>; N]> {
+    let loaded = std::thread::scope(|s| {
+        let jobs =
+            srcs.map(|src| src.map(|src| s.spawn(move || load_module(ctx, src, arch, None))));
+        jobs.map(|job| {
+            job.map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(crate::error::Error::Device(
+                        "a kernel-loading thread panicked".into(),
+                    ))
+                })
+            })
+            .transpose()
+        })
+    });
+    let mut out = [const { None }; N];
+    for (slot, module) in out.iter_mut().zip(loaded) {
+        *slot = module?;
+        if let (Some(m), Some((t, stream))) = (slot.as_ref(), trace) {
+            t.attach(m, stream)?;
+        }
+    }
+    Ok(out)
 }
 
 /// An entry point of a loaded module, with the preferred shared-memory carveout
@@ -143,10 +177,29 @@ impl Kernels {
         head_dim: usize,
         trace: Option<(&trace::Trace, &Arc<CudaStream>)>,
     ) -> Result<Self> {
-        let module = load_module(ctx, &kernels::ENGINE, arch, trace)?;
+        let t = super::tune::get();
+        // The merging o GEMV's module only where it can run (`TAPEDECK_FUSE` names `merge`): it
+        // compiles engine.cu and the mma kernels once more, ~40% of the engine's NVRTC time and
+        // a third of the PTX the driver compiles at start. The prefill kernels for the head
+        // dims they are written for.
+        let [module, mma, fused, prefill, prefill_mma] = load_modules(
+            ctx,
+            [
+                Some(&kernels::ENGINE),
+                Some(&kernels::DECODE_MMA),
+                t.fuse.merge.then_some(&kernels::FUSED),
+                matches!(head_dim, 32 | 64 | 128).then_some(&kernels::PREFILL),
+                matches!(head_dim, 64 | 128).then_some(&kernels::PREFILL_MMA),
+            ],
+            arch,
+            trace,
+        )?;
+        let (Some(module), Some(mma)) = (module, mma) else {
+            return Err(crate::error::Error::Device(
+                "the engine's kernel files were not loaded".into(),
+            ));
+        };
         let f = |name: &str| load_function(&module, name);
-        let mma = load_module(ctx, &kernels::DECODE_MMA, arch, trace)?;
-        let fused = load_module(ctx, &kernels::FUSED, arch, trace)?;
         // The entry points for 1..=GEMV_MAX_ROWS rows; where they stage in shared memory (weights,
         // `TAPEDECK_GEMV_ASYNC`, `TAPEDECK_SWIGLU_ASYNC`, `TAPEDECK_QKV_ASYNC`; the merge's splits,
         // `TAPEDECK_MERGE_STAGED`) their shared-memory limit raised to GEMV_SMEM_LIMIT.
@@ -161,19 +214,10 @@ impl Kernels {
                 })
                 .collect::<Result<Vec<_>>>()
         };
-        let t = super::tune::get();
         let (stage, swiglu_stage) = (
             t.gemv_stage_bytes(t.gemv_block),
             t.swiglu_stage_bytes(t.gemv_block),
         );
-        let prefill = match head_dim {
-            32 | 64 | 128 => Some(load_module(ctx, &kernels::PREFILL, arch, trace)?),
-            _ => None,
-        };
-        let prefill_mma = match head_dim {
-            64 | 128 => Some(load_module(ctx, &kernels::PREFILL_MMA, arch, trace)?),
-            _ => None,
-        };
         let pool = |elem: KvElem| -> Result<PoolKernels> {
             let sfx = elem.suffix();
             let mma_name = format!("decode_attn_mma{}", elem.mma_suffix());
@@ -227,7 +271,10 @@ impl Kernels {
             gemv: staged_rows(&module, "gemv_bf16", stage > 0)?,
             gemv_swiglu: staged_rows(&module, "gemv_bf16_swiglu", swiglu_stage > 0)?,
             mlp_flow: [f("mlp_flow_1")?, f("mlp_flow_2")?],
-            gemv_merged: staged_rows(&fused, "gemv_bf16_merged", stage > 0 || t.merge_staged)?,
+            gemv_merged: match &fused {
+                Some(m) => staged_rows(m, "gemv_bf16_merged", stage > 0 || t.merge_staged)?,
+                None => Vec::new(),
+            },
             gemv_stream: f("gemv_stream_bf16_1")?,
             gemv_stream_swiglu: f("gemv_stream_swiglu_1")?,
             l2_prefetch: f("l2_prefetch")?,

@@ -401,6 +401,11 @@ impl Gpu {
         let mut a = a.i(n).i(inp).i(splits).i(usize::from(add));
         // The merging entry point takes one matrix; the others up to three.
         let (kernels, max_mats) = match x {
+            GemvIn::Merged(_) if self.k.gemv_merged.is_empty() => {
+                return Err(Error::Device(
+                    "the merging o GEMV is loaded only where TAPEDECK_FUSE names `merge`".into(),
+                ))
+            }
             GemvIn::Merged(_) => (&self.k.gemv_merged, 1),
             _ => (&self.k.gemv, 3),
         };
