@@ -11,7 +11,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use super::linears::GEMV_MAX_ROWS;
 use super::memory::KvElem;
 use super::{dev_err, kernels, trace};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The kernels that read or write the KV pool, for one element type ([`KvElem`]).
 pub(super) struct PoolKernels {
@@ -103,9 +103,7 @@ pub(super) fn load_modules<const N: usize>(
         jobs.map(|job| {
             job.map(|h| {
                 h.join().unwrap_or_else(|_| {
-                    Err(crate::error::Error::Device(
-                        "a kernel-loading thread panicked".into(),
-                    ))
+                    Err(Error::Device("a kernel-loading thread panicked".into()))
                 })
             })
             .transpose()
@@ -195,7 +193,7 @@ impl Kernels {
             trace,
         )?;
         let (Some(module), Some(mma)) = (module, mma) else {
-            return Err(crate::error::Error::Device(
+            return Err(Error::Device(
                 "the engine's kernel files were not loaded".into(),
             ));
         };
