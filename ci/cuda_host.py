@@ -119,6 +119,16 @@ static T shfl_from64(T v, int src_lane) {
 }
 static unsigned long long __shfl_xor_sync(unsigned, unsigned long long v, int m) { return shfl_from64(v, (threadIdx.x & 31) ^ m); }
 static double __shfl_xor_sync(unsigned, double v, int m) { return shfl_from64(v, (threadIdx.x & 31) ^ m); }
+// redux.sync's unsigned maximum over the warp (the token picks under PICK_FAST).
+static unsigned __reduce_max_sync(unsigned, unsigned v) {
+  const int w = threadIdx.x >> 5;
+  g_xchg64[w * 32 + (threadIdx.x & 31)] = v;
+  __syncwarp();
+  unsigned m = 0;
+  for (int l = 0; l < 32; ++l) m = std::max(m, (unsigned)g_xchg64[w * 32 + l]);
+  __syncwarp();
+  return m;
+}
 static long long __double_as_longlong(double d) { long long r; memcpy(&r, &d, 8); return r; }
 static float __shfl_down_sync(unsigned, float v, int d) {
   const int l = (threadIdx.x & 31) + d;

@@ -80,9 +80,6 @@ code = "\n".join(
         # The weight loads' PTX (ld.global.nc with cache hints), as a plain load.
         "static uint4 load_stream(const uint4* p) { return *p; }",
         cut(eng, "template <bool XF32>\n__device__ __forceinline__ void load_x8", "load_x8("),
-        # Only the first blocks split their weight requests around the wait (PRE_SPLIT_PER_SM,
-        # two "SMs" here), the later ones request whole rows first: both paths run.
-        "#define PRE_SPLIT_PER_SM 1\nstatic unsigned sm_ids() { return 2; }",
         cut(eng, "__device__ __forceinline__ void gemv_prefetch_span", "gemv_prefetch("),
         # The kernels holding their weights in registers request part of a lane's GEMV_PRE
         # chunks before the PDL wait and the rest after the input (the *_PRE_EARLY knobs; 3,

@@ -5,7 +5,8 @@ A decode step copies back, per picked row of logits, only the token, the log-sum
 entropy and the k best alternatives, computed on the device by `pick_partial` (per chunk of
 PICK_CHUNK logits: max, f64 sums, k best) and `pick_finish` (merges the chunks). This check runs
 both as ci/cuda_host.py runs kernel code (blocks of 256 std::threads, barriers, 8-byte shuffles)
-on rows of random logits with ties, -inf entries and several chunks, and wants:
+on rows of random logits with ties, -inf entries and several chunks, with `PICK_FAST` 0 and 1,
+and wants:
 
 - the k alternatives exactly those of a stable sort (value descending by f32 total order, ties
   to the lower token ID), with their logits' bits; the chosen token (given or most likely);
@@ -93,3 +94,5 @@ int main() {
 """
 
 run(code + MAIN, "pick_host_check")
+# PICK_FAST: redux.sync maxima, the candidates' logits from their keys.
+run("#define PICK_FAST 1\n" + code + MAIN, "pick_host_check (PICK_FAST=1)")

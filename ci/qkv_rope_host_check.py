@@ -10,7 +10,9 @@ it stages its weights in shared memory, chunk by chunk as cp.async does or a row
 ways (index data late and weights in registers; early and staged) from the same text and runs them as ci/cuda_host.py runs kernel code (blocks of 256
 std::threads, barriers for __syncthreads and the shuffles) on 1 to 3 rows, bf16 and normalized
 inputs, with and without biases, f32 and bf16 pools, a row with no slot (-1), head_dim 64 and 128
-and inputs of 256, 520 (a partial lane round) and 2048. Every output (q, k, v and both pools,
+and inputs of 256, 520 (a partial lane round) and 2048; one-row normalized cases also run the first
+layer's embedding gather (the row read from a table at the pass's id, or at the fed one) against
+the row given directly, bit for bit. Every output (q, k, v and both pools,
 poisoned with NaN first, so an unwritten output shows) must be bit-identical between the two, and
 within bounds of a float64 reference: the dot products of the same bf16 operands, rotated in
 double at the kernel's f32 angle, rounded to bf16 for a bf16 pool.
@@ -27,7 +29,7 @@ def default(name):
     return macro_default(eng, name)
 
 
-kernel = cut(eng, "template <int N, typename KV>\n__device__ __forceinline__ void qkv_rope_kernel", "void qkv_rope_kernel(")
+kernel = cut(eng, "template <int N, typename KV, bool EMBED = false>\n__device__ __forceinline__ void qkv_rope_kernel", "void qkv_rope_kernel(")
 
 code = "\n".join(
     [
@@ -48,9 +50,6 @@ code = "\n".join(
         # The weight loads' PTX (ld.global.nc with cache hints), as a plain load.
         "static uint4 load_stream(const uint4* p) { return *p; }",
         cut(eng, "template <bool XF32>\n__device__ __forceinline__ void load_x8", "load_x8("),
-        # Only the first blocks split their weight requests around the wait (PRE_SPLIT_PER_SM,
-        # two "SMs" here), the later ones request whole rows first: both paths run.
-        "#define PRE_SPLIT_PER_SM 1\nstatic unsigned sm_ids() { return 2; }",
         cut(eng, "__device__ __forceinline__ void gemv_prefetch_span", "gemv_prefetch("),
         # The kernels holding their weights in registers request 3 of a lane's GEMV_PRE chunks
         # before the PDL wait and the rest after the input (the *_PRE_EARLY knobs), so the
@@ -61,6 +60,9 @@ code = "\n".join(
         cut(eng, "template <int N, int T = 32 * GEMV_WARPS>\n__device__ __forceinline__ const bf16_t* gemv_norm_prologue", "gemv_norm_prologue(")
         .replace("extern __shared__ uint4 gemv_smem[];", "static uint4 gemv_smem[4096];"),
         cut(eng, "__device__ __forceinline__ void rope_rotate", "rope_rotate("),
+        # The first layer's embedding gather (EMBED, TAPEDECK_EMBED_FUSED=on).
+        default("FED_TOKEN"),
+        cut(eng, "__device__ __forceinline__ size_t embed_row_of", "embed_row_of("),
         # Weights staged in shared memory (QKV_ASYNC): cp.async as a copy, and GEMV_TMA's bulk
         # copies as one memcpy a row (GEMV_BULK; the check runs once each way).
         STAGING_STUBS,
@@ -151,6 +153,26 @@ static int check(const Case& c, int normalized, int with_bias, std::mt19937& rng
                           early.q.data(), early.k.data(), early.v.data(), early.kp.data(), early.vp.data(),
                           pos.data(), inv_freq.data(), slots.data(), heads, kvh, hd, mode);
   });
+  // The first layer's gather (EMBED): the input row read from a table at the pass's id, or at
+  // the fed id, must give the same bits as the row given directly.
+  int embed_failures = 0;
+  if constexpr (N == 1) if (normalized) {
+    std::vector<float> table((size_t)5 * in);
+    for (auto& v : table) v = nd(rng);
+    std::copy(x.begin(), x.end(), table.begin() + 3 * (size_t)in);
+    const unsigned fed = 3;
+    for (int via_fed = 0; via_fed < 2; ++via_fed) {
+      Out e = fresh();
+      launch(dim3{blocks, 1, 1}, 32 * GEMV_WARPS, [&] {
+        qkv_rope_early<1, KV, true>(table.data(), nw, eps, in, w[0].data(), bias(0), w[1].data(), bias(1),
+                                    w[2].data(), bias(2), e.q.data(), e.k.data(), e.v.data(), e.kp.data(),
+                                    e.vp.data(), pos.data(), inv_freq.data(), slots.data(), heads, kvh, hd,
+                                    mode, via_fed ? FED_TOKEN : 3u, via_fed ? &fed : nullptr);
+      });
+      embed_failures += !same_bits(e.q, early.q) || !same_bits(e.k, early.k) || !same_bits(e.v, early.v) ||
+                        !same_bits(e.kp, early.kp) || !same_bits(e.vp, early.vp);
+    }
+  }
   char label[160];
   snprintf(label, sizeof label, "%d rows, %d/%d heads of %d, %d inputs, %s input, bias %d, %s pool", N, heads,
            kvh, hd, in, normalized ? "normalized" : "bf16", with_bias, mode ? "bf16" : "f32");
@@ -159,6 +181,10 @@ static int check(const Case& c, int normalized, int with_bias, std::mt19937& rng
       !same_bits(late.kp, early.kp) || !same_bits(late.vp, early.vp)) {
     printf("FAIL %s: QKV_INDEX_EARLY changes bits\n", label);
     failures++;
+  }
+  if (embed_failures) {
+    printf("FAIL %s: the embedding gather changes bits (%d of 2)\n", label, embed_failures);
+    failures += embed_failures;
   }
   // The float64 reference from the same bf16 operands (the input as the kernel rounds it).
   std::vector<float> xin(x);

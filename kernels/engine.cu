@@ -535,6 +535,10 @@ __device__ __forceinline__ void load_x8(const void* x, size_t off, float v[8]) {
 // GEMV_PRE_EARLY is then left to the head), and SWIGLU_PRE_EARLY_UP for gate/up's up row alone.
 // Twenty-eighth session (gpu-s28, H100, one call): the defaults 957.0, all 8 early 939.1; down
 // at 6 / 4 899.3 / 913.4, o at 6 920.5, the head at 6 884.0, gate 4 / up 2 958.4 tok/s.
+// Twenty-ninth session (gpu-s29 call 1, H100): splitting only in a launch's first wave of blocks
+// (blockIdx.x < N x %nsmid; the later blocks' waits return at once) lost to splitting in every
+// block: N = 2 / 3 937.8 / 936.9 against the defaults' 958.9 / 960.1 (q/k/v at 110 registers
+// instead of 96), so it was removed.
 #ifndef GEMV_PRE_EARLY
 #define GEMV_PRE_EARLY GEMV_PRE
 #endif
@@ -553,23 +557,6 @@ __device__ __forceinline__ void load_x8(const void* x, size_t off, float v[8]) {
 #ifndef QKV_PRE_EARLY
 #define QKV_PRE_EARLY 6
 #endif
-// Only a launch's first PRE_SPLIT_PER_SM blocks per SM split their requests around the PDL wait
-// (0: every block does). Why: a block that starts after the launch's first blocks have ended
-// starts after the kernel before has ended too (those blocks passed their wait), so its wait
-// returns at once and a split only adds a round trip; the head GEMV's 16k blocks at 6 early lost
-// 7% (gpu-s28). The SM count is %nsmid (the highest SM ID + 1: 132 or more on an H100), so the
-// bound is approximate; blocks launched after it request their whole rows up front.
-#ifndef PRE_SPLIT_PER_SM
-#define PRE_SPLIT_PER_SM 0
-#endif
-#if PRE_SPLIT_PER_SM
-__device__ __forceinline__ unsigned int sm_ids() {
-    unsigned int n;
-    asm("mov.u32 %0, %%nsmid;" : "=r"(n));
-    return n;
-}
-#endif
-
 // Chunks from..to of this lane's first GEMV_PRE (chunk lane + 32 u) of weight row w, zero past
 // the end or for a warp without a row (live false). Called twice where part of the row is
 // requested before the PDL wait and the rest once the input is ready (the *_PRE_EARLY knobs).
@@ -585,16 +572,6 @@ __device__ __forceinline__ void gemv_prefetch_span(const bf16_t* w, int in, int 
         int c = lane + 32 * u;
         pre[u] = live && c < chunks ? load_stream(wr + c) : make_uint4(0, 0, 0, 0);
     }
-}
-
-// How many chunks this block requests before its PDL wait: `early` (a *_PRE_EARLY knob) in the
-// launch's first wave (PRE_SPLIT_PER_SM), all GEMV_PRE after it.
-__device__ __forceinline__ int pre_early(int early) {
-#if PRE_SPLIT_PER_SM
-    return blockIdx.x < PRE_SPLIT_PER_SM * sm_ids() ? early : GEMV_PRE;
-#else
-    return early;
-#endif
 }
 
 // All GEMV_PRE chunks of the lane's share of weight row w (gemv_prefetch_span's whole span).
@@ -1069,7 +1046,7 @@ __device__ __forceinline__ void gemv_kernel(Input input, int in, int splits, int
     // (down), a residual add without a split (o), or neither (the head). With equal knobs (the
     // default) `early` is a constant and the prefetch compiles as before.
     const int early =
-        pre_early(splits > 1 ? GEMV_PRE_EARLY_SPLIT : add ? GEMV_PRE_EARLY_ADD : GEMV_PRE_EARLY);
+        splits > 1 ? GEMV_PRE_EARLY_SPLIT : add ? GEMV_PRE_EARLY_ADD : GEMV_PRE_EARLY;
     uint4 pre[GEMV_PRE];
     gemv_prefetch_span(weights(cur), len, lane, cur.live, pre, 0, early);
 #endif
@@ -1226,7 +1203,7 @@ __device__ __forceinline__ void swiglu_kernel(const void* x, const float* norm_w
     swiglu_store<N>(g, u, bg, bu, out, inter, row, lane);
 #else
     uint4 pre_g[GEMV_PRE], pre_u[GEMV_PRE];
-    const int early_g = pre_early(SWIGLU_PRE_EARLY), early_u = pre_early(SWIGLU_PRE_EARLY_UP);
+    const int early_g = SWIGLU_PRE_EARLY, early_u = SWIGLU_PRE_EARLY_UP;
     gemv_prefetch_span(wg + at, in, lane, live, pre_g, 0, early_g);
     gemv_prefetch_span(wu + at, in, lane, live, pre_u, 0, early_u);
     norm_prefetch(norm_w, in);
@@ -1806,7 +1783,16 @@ extern "C" __global__ void rope_kv_write_fp8kv(ROPE_KV_PARAMS(fp8_t)) {
 #ifndef QKV_INDEX_EARLY
 #define QKV_INDEX_EARLY 1
 #endif
-template <int N, typename KV>
+// The offset of a pass's token row in the embedding table: the fed id where the pass's id says
+// FED_TOKEN, as embed_tokens picks it.
+__device__ __forceinline__ size_t embed_row_of(unsigned int id_raw, unsigned int id_fed, int in) {
+    return (size_t)(id_raw == FED_TOKEN ? id_fed : id_raw) * in;
+}
+// EMBED (the first layer's `_embed_1` entry points): x is the embedding table and the row is
+// token id_raw, or fed[0] where id_raw is FED_TOKEN (embed_tokens' choice). fed[0] is read after
+// the wait: in a pass launched eagerly right behind the one that picked it, that pick may still
+// be running.
+template <int N, typename KV, bool EMBED = false>
 __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm_w, float eps,
                                                 int in, const bf16_t* wq, const float* bq,
                                                 const bf16_t* wk, const float* bk,
@@ -1814,7 +1800,8 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
                                                 float* k, float* v, KV* k_pool, KV* v_pool,
                                                 const int* pos, const float* inv_freq,
                                                 const int* slots, int heads, int kv_heads, int hd,
-                                                int mode) {
+                                                int mode, unsigned int id_raw = 0,
+                                                const unsigned int* fed = nullptr) {
     int lane = threadIdx.x & 31, half = hd / 2;
     int pair = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     int h = pair / half, i = pair % half;
@@ -1836,7 +1823,7 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
     const StagedChunks pre0{slot0 + lane}, pre1{slot1 + lane};
 #else
     uint4 pre0[GEMV_PRE], pre1[GEMV_PRE];
-    const int early = pre_early(QKV_PRE_EARLY);
+    const int early = QKV_PRE_EARLY;
     gemv_prefetch_span(w0, in, lane, live, pre0, 0, early);
     gemv_prefetch_span(w1, in, lane, live, pre1, 0, early);
 #endif
@@ -1854,6 +1841,7 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
 #endif
     pdl_launch_dependents();
     pdl_wait();
+    if constexpr (EMBED) x = (const float*)x + embed_row_of(id_raw, fed ? fed[0] : 0u, in);
     if (norm_w) x = gemv_norm_prologue<N>((const float*)x, norm_w, eps, in);
 #if QKV_ASYNC
     gemv_stage_wait();
@@ -1952,6 +1940,34 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) g
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) gemv_bf16_qkv_rope_bf16kv_4(QKV_ROPE_PARAMS(bf16_t)) {
     TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_4");
     qkv_rope_kernel<4>(QKV_ROPE_ARGS);
+}
+// The first layer's one-row q/k/v launch of a decode step that gathers its input itself
+// (TAPEDECK_EMBED_FUSED=on): x is the embedding table, ids the pass's token ids (a fed id reads
+// the previous pass's pick, as embed_tokens does; fed may be 0 when no id is fed), and block 0
+// writes the row to the residual stream x_out. The step then has no embed_tokens launch: this
+// kernel, the graph's first, no longer waits for it (~2.9 µs and a kernel boundary before the
+// first GEMV's input in the twenty-fifth session's trace). The same values in the same order as
+// embed_tokens + gemv_bf16_qkv_rope(_bf16kv)_1, so the same bits. The pass's id (its upload) is
+// loaded at the start, the fed one after the PDL wait (see qkv_rope_kernel).
+extern "C" __global__ void QKV1_BOUNDS gemv_bf16_qkv_rope_embed_1(QKV_ROPE_PARAMS(float),
+                                                                  const unsigned int* ids,
+                                                                  const unsigned int* fed,
+                                                                  float* x_out) {
+    TD_SCOPE("gemv_bf16_qkv_rope_embed_1");
+    const unsigned int id_raw = ids[0];
+    qkv_rope_kernel<1, float, true>(QKV_ROPE_ARGS, id_raw, fed);
+    if (blockIdx.x == 0)
+        copy_row(x_out, (const float*)x + embed_row_of(id_raw, fed ? fed[0] : 0u, in), in);
+}
+extern "C" __global__ void QKV1_BOUNDS gemv_bf16_qkv_rope_bf16kv_embed_1(QKV_ROPE_PARAMS(bf16_t),
+                                                                         const unsigned int* ids,
+                                                                         const unsigned int* fed,
+                                                                         float* x_out) {
+    TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_embed_1");
+    const unsigned int id_raw = ids[0];
+    qkv_rope_kernel<1, bf16_t, true>(QKV_ROPE_ARGS, id_raw, fed);
+    if (blockIdx.x == 0)
+        copy_row(x_out, (const float*)x + embed_row_of(id_raw, fed ? fed[0] : 0u, in), in);
 }
 
 // Per token of the batch, what attention needs (one int array, see cuda/mod.rs `Meta`):
@@ -2306,13 +2322,35 @@ __device__ __forceinline__ unsigned int pick_index(unsigned long long c) {
     return ~(unsigned int)(c & 0xffffffffull);
 }
 
+// PICK_FAST=1: the picks' warp-wide maxima are two redux.sync instructions (sm_80+) instead of
+// five rounds of 8-byte shuffles, and pick_finish takes its candidates' logits from their keys
+// (float_key is a bijection) instead of loading them from the row after its merge; a given token's
+// logit is loaded at its start. The same bits either way; only the dependent latencies differ.
+#ifndef PICK_FAST
+#define PICK_FAST 0
+#endif
+
 // The largest packed candidate of the warp; every lane gets it.
 __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
+#if PICK_FAST
+    // The largest high word, then the largest low word among the lanes that hold it.
+    unsigned int hi = __reduce_max_sync(0xffffffffu, (unsigned int)(v >> 32));
+    unsigned int lo = (unsigned int)(v >> 32) == hi ? (unsigned int)v : 0u;
+    lo = __reduce_max_sync(0xffffffffu, lo);
+    return ((unsigned long long)hi << 32) | lo;
+#else
     for (int o = 16; o > 0; o >>= 1) {
         unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
         v = w > v ? w : v;
     }
     return v;
+#endif
+}
+
+// The logit bits a packed candidate was made from: float_key inverted.
+__device__ __forceinline__ unsigned int pick_logit_bits(unsigned long long c) {
+    unsigned int key = (unsigned int)(c >> 32);
+    return (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
 }
 
 __device__ double block_sum_f64(double v, double* shared32) {
@@ -2440,6 +2478,13 @@ extern "C" __global__ void pick_finish(const float* logits, int vocab, const int
     int p = blockIdx.x, n = chunks * k;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* row = logits + (size_t)rows[p] * vocab;
+#if PICK_FAST
+    // A given token's logit, loaded beside the partials rather than after the merge.
+    int given = chosen[p];
+    unsigned int given_bits = __float_as_uint(NEG_INF);
+    if (threadIdx.x == 32 && given >= 0 && given < vocab) given_bits = __float_as_uint(row[given]);
+    __shared__ unsigned int s_bits[PICK_MAX_K];
+#endif
     // Every load this block needs from the partials at once (not one chunk after another in
     // thread 0's loop below: each would wait for the last).
     for (int i = threadIdx.x; i < n; i += blockDim.x) cand[i] = top[(size_t)p * n + i];
@@ -2468,6 +2513,9 @@ extern "C" __global__ void pick_finish(const float* logits, int vocab, const int
                 for (int q = 0; q < LISTS; q++) head[q] += q == from;
             }
             if (lane == 0) s_ids[r] = win ? pick_index(win) : 0xffffffffu;
+#if PICK_FAST
+            if (lane == 0) s_bits[r] = win ? pick_logit_bits(win) : __float_as_uint(NEG_INF);
+#endif
         }
     } else if (warp == 1) {
         // The chunks combined: M = max M_c, S = sum S_c e^(M_c - M), each lane over chunks
@@ -2498,6 +2546,18 @@ extern "C" __global__ void pick_finish(const float* logits, int vocab, const int
         }
     }
     __syncthreads();
+#if PICK_FAST
+    if (threadIdx.x < k) {
+        o[6 + 2 * threadIdx.x] = s_ids[threadIdx.x];
+        o[7 + 2 * threadIdx.x] = s_bits[threadIdx.x];
+    }
+    if (threadIdx.x == 32) {
+        int tok = given >= 0 ? given : k > 0 ? (int)s_ids[0] : -1;
+        o[4] = (unsigned int)tok;
+        o[5] = given >= 0 ? given_bits
+               : (tok >= 0 && tok < vocab) ? s_bits[0] : __float_as_uint(NEG_INF);
+    }
+#else
     // The candidates' logits, one thread each, all loads in flight together.
     if (threadIdx.x < k) {
         unsigned int id = s_ids[threadIdx.x];
@@ -2510,4 +2570,5 @@ extern "C" __global__ void pick_finish(const float* logits, int vocab, const int
         o[4] = (unsigned int)tok;
         o[5] = (tok >= 0 && tok < vocab) ? __float_as_uint(row[tok]) : __float_as_uint(NEG_INF);
     }
+#endif
 }

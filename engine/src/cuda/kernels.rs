@@ -61,6 +61,8 @@ pub const ENGINE: KernelSource = KernelSource {
         "gemv_bf16_qkv_rope_bf16kv_2",
         "gemv_bf16_qkv_rope_bf16kv_3",
         "gemv_bf16_qkv_rope_bf16kv_4",
+        "gemv_bf16_qkv_rope_embed_1",
+        "gemv_bf16_qkv_rope_bf16kv_embed_1",
         "rope_kv_write_bf16kv",
         "rope_kv_write_fp8kv",
         "attention",

@@ -19,6 +19,9 @@ pub(super) struct PoolKernels {
     /// q/k/v with RoPE and the KV write in the epilogue (`fuse=on`), per row count like `gemv`
     /// (none for FP8, whose per-head scale needs the whole head: that pool keeps rope_kv_write).
     pub(super) gemv_qkv_rope: Vec<CudaFunction>,
+    /// Its one-row form that gathers the token's embedding first (`TAPEDECK_EMBED_FUSED=on`, the
+    /// first layer of a decode step); none for FP8.
+    pub(super) gemv_qkv_rope_embed: Option<CudaFunction>,
     pub(super) attention: CudaFunction,
     pub(super) attention_scores: CudaFunction,
     /// The tensor-core decode kernel (`attn_decode=mma-bf16`).
@@ -224,6 +227,16 @@ impl Kernels {
                 gemv_qkv_rope: match elem {
                     KvElem::Fp8 => Vec::new(),
                     _ => staged_rows(&module, &format!("gemv_bf16_qkv_rope{sfx}"), t.qkv_async)?,
+                },
+                gemv_qkv_rope_embed: match elem {
+                    KvElem::Fp8 => None,
+                    _ => {
+                        let name = format!("gemv_bf16_qkv_rope{sfx}_embed_1");
+                        Some(match t.qkv_async {
+                            false => load_function(&module, &name)?,
+                            true => load_with_smem(&module, &name, GEMV_SMEM_LIMIT)?,
+                        })
+                    }
                 },
                 attention: f(&format!("attention{sfx}"))?,
                 attention_scores: f(&format!("attention_scores{sfx}"))?,

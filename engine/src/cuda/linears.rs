@@ -41,6 +41,16 @@ pub(super) enum GemvIn {
     Merged(MergedSplits),
 }
 
+/// The first layer's q/k/v launch reading its input from the embedding table
+/// (`TAPEDECK_EMBED_FUSED=on`): the pass's token ids, the previous pass's pick (for a fed id) and
+/// the residual stream the row is copied to.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct EmbedGather {
+    pub(super) ids: u64,
+    pub(super) fed: u64,
+    pub(super) residual: u64,
+}
+
 /// Where the o projection's fused split merge reads (the mma decode pass's buffers and split
 /// geometry; see `kernels/decode_fused.cu`).
 #[derive(Debug, Clone, Copy)]
@@ -602,6 +612,9 @@ impl Gpu {
     /// The q/k/v projections of `n` rows with RoPE and the KV write in their epilogue (`fuse=on`,
     /// KV modes 0 and 1): what `gemv` over q, k and v followed by `rope_kv_write` computes, in one
     /// launch. `x` is bf16 or the normalized residual stream.
+    /// With `embed` (`TAPEDECK_EMBED_FUSED=on`, one row): `x` is the embedding table normalized
+    /// at the row the token ids say, and block 0 writes that row to the residual stream (the
+    /// `_embed_1` entry points); see [`EmbedGather`].
     pub(super) fn qkv_rope(
         &self,
         layer: &DevLayer,
@@ -609,6 +622,7 @@ impl Gpu {
         n: usize,
         rope: &RopeArgs,
         pdl: bool,
+        embed: Option<EmbedGather>,
     ) -> Result<()> {
         if matches!(x, GemvIn::F32(_) | GemvIn::Merged(_)) || rope.kv_mode > 1 {
             return Err(Error::Device(
@@ -628,9 +642,25 @@ impl Gpu {
             n,
             layer.q.inp,
         )?;
-        rope.append(a).launch_pdl(
+        let mut a = rope.append(a);
+        let pool = self.k.pool(rope.elem);
+        let kernel = match embed {
+            None => gemv_for(&pool.gemv_qkv_rope, n)?,
+            Some(e) => {
+                a = a.p(e.ids).p(e.fed).p(e.residual);
+                match (&pool.gemv_qkv_rope_embed, n) {
+                    (Some(k), 1) => k,
+                    _ => {
+                        return Err(Error::Device(format!(
+                            "no q/k/v kernel gathers the embeddings of {n} rows from this pool"
+                        )))
+                    }
+                }
+            }
+        };
+        a.launch_pdl(
             &self.stream,
-            gemv_for(&self.k.pool(rope.elem).gemv_qkv_rope, n)?,
+            kernel,
             (pairs.div_ceil(GEMV_WARPS), 1, 1),
             32 * GEMV_WARPS,
             smem,

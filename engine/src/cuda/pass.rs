@@ -12,8 +12,9 @@ use cudarc::driver::CudaContext;
 use super::host::{Laps, Part};
 use super::launch::Args;
 use super::linears::{
-    bias, gemv_splits, mlp_flow_splits, DevLinear, GemvIn, MergedSplits, MlpFlow, RopeArgs,
-    FUSED_MERGE_MAX_SPLITS, GEMV_MAX_ROWS, GEMV_NORM_SMEM, GEMV_WARPS, MLP_FLOW_GROUPS_AT,
+    bias, gemv_splits, mlp_flow_splits, DevLinear, EmbedGather, GemvIn, MergedSplits, MlpFlow,
+    RopeArgs, FUSED_MERGE_MAX_SPLITS, GEMV_MAX_ROWS, GEMV_NORM_SMEM, GEMV_WARPS,
+    MLP_FLOW_GROUPS_AT,
 };
 use super::memory::{ensure, ensure_zeroed, DeviceKv, KvElem};
 use super::meta::{
@@ -446,13 +447,28 @@ impl Inner {
         let fed = pass
             .pick
             .map_or(0, |(_, _, out, _)| out + FED_WORD as u64 * 4);
-        Args::new()
-            .p(x)
-            .p(self.embed.ptr)
-            .p(mi(meta.ids))
-            .i(h)
-            .p(fed)
-            .launch(s, &kn.embed_tokens, (n, 1), 256)?;
+        // FP8 KV scales each head by its amax: that mode keeps the separate RoPE + KV kernel.
+        let rope_fused = pass.fuse.rope && pass.kv_mode <= 1;
+        // TAPEDECK_EMBED_FUSED: the first q/k/v launch of a one-row step gathers the embedding.
+        let embed_gather = (tune::get().embed_fused
+            && rope_fused
+            && n == 1
+            && pass.linears == Linears::GemvFusedNorm
+            && pass.mega.is_none())
+        .then_some(EmbedGather {
+            ids: mi(meta.ids),
+            fed,
+            residual: x,
+        });
+        if embed_gather.is_none() {
+            Args::new()
+                .p(x)
+                .p(self.embed.ptr)
+                .p(mi(meta.ids))
+                .i(h)
+                .p(fed)
+                .launch(s, &kn.embed_tokens, (n, 1), 256)?;
+        }
         if let Some((params, smem)) = &pass.mega {
             self.mega
                 .as_ref()
@@ -493,8 +509,6 @@ impl Inner {
             })
         };
         let (gemv, pdl) = (pass.linears != Linears::Cublas, pass.pdl);
-        // FP8 KV scales each head by its amax: that mode keeps the separate RoPE + KV kernel.
-        let rope_fused = pass.fuse.rope && pass.kv_mode <= 1;
         // The L2 prefetches `TAPEDECK_L2_PREFETCH` asks for, in one-row GEMV passes with PDL.
         let prefetch = tune::get().l2_prefetch;
         let prefetching = gemv && pdl && n == 1 && prefetch.any();
@@ -519,9 +533,24 @@ impl Inner {
                 kv_mode: pass.kv_mode,
                 elem: kv.elem,
             };
-            if rope_fused {
+            if let (Some(e), 0) = (embed_gather, li) {
+                let from_table = GemvIn::Normed {
+                    x: self.embed.ptr,
+                    w: layer.attn_norm.ptr,
+                    eps: cfg.rms_norm_eps,
+                };
                 self.gpu
-                    .qkv_rope(layer, gemv_normed(layer.attn_norm.ptr)?, n, &rope, pdl)?;
+                    .qkv_rope(layer, from_table, n, &rope, pdl, Some(e))?;
+                FUSED_ROPE.fetch_add(1, Ordering::Relaxed);
+            } else if rope_fused {
+                self.gpu.qkv_rope(
+                    layer,
+                    gemv_normed(layer.attn_norm.ptr)?,
+                    n,
+                    &rope,
+                    pdl,
+                    None,
+                )?;
                 FUSED_ROPE.fetch_add(1, Ordering::Relaxed);
             } else if gemv {
                 self.gpu
@@ -813,7 +842,8 @@ impl Inner {
 
     /// The token picks of a pass (after its head), where asked.
     pub(super) fn record_picks(&self, pass: &Pass) -> Result<()> {
-        let (meta, s, kn, early) = (&pass.meta, &self.gpu.stream, &self.gpu.k, pass.pdl_all);
+        let early = pass.pdl_all || (pass.pdl && self.gpu.pdl_capable && tune::get().pdl_picks);
+        let (meta, s, kn) = (&pass.meta, &self.gpu.stream, &self.gpu.k);
         let mi = |off: usize| pass.meta_ptr + (off * 4) as u64;
         let vocab = self.head.out;
         if let Some((stats, top, out, chunks)) = pass.pick {

@@ -123,6 +123,15 @@
 //!   macro `DA_KV_EARLY=1` (the default with it: the attention stages its cached KV before it
 //!   waits, while the q/k/v GEMV still runs) llama-1b batch-1 decode on an H100 went 930 → 938
 //!   tok/s (twenty-sixth session, call 1); `off` times the attention launched after the GEMV.
+//! - `TAPEDECK_PDL_PICKS=on`: under `pdl=on`, the token picks after the head (`pick_partial`,
+//!   `pick_finish`) are launched with PDL too, as `pdl=all` launches them: each then starts while
+//!   the kernel before it drains instead of ~1.1 µs after it ended (the twenty-fifth session's
+//!   trace: 12 µs a step from the head's end to the picks'). Only timing changes.
+//! - `TAPEDECK_EMBED_FUSED=on`: a one-row decode pass with the fused q/k/v kernel (`fuse=on`,
+//!   the GEMV path) has no `embed_tokens` launch: the first layer's q/k/v kernel reads the token's
+//!   embedding row itself and writes it to the residual stream (`gemv_bf16_qkv_rope*_embed_1`). The
+//!   same bits; only timing changes (the embedding kernel and its boundary cost ~5 µs from the
+//!   step's start to the first GEMV's input in the twenty-fifth session's trace).
 //! - `TAPEDECK_SMEM_CARVEOUT=P` (0-100): every kernel's preferred shared-memory carveout, the
 //!   percentage of the SM's unified L1/shared memory given to shared memory
 //!   (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`). Unset: the driver picks one per
@@ -291,6 +300,10 @@ pub(crate) struct Tuning {
     /// The mma decode kernel and its combine launch with PDL under `pdl=on` (`TAPEDECK_PDL_ATTN`,
     /// on unless `off`).
     pub pdl_attn: bool,
+    /// The token picks launch with PDL under `pdl=on` (`TAPEDECK_PDL_PICKS=on`; off by default).
+    pub pdl_picks: bool,
+    /// The first layer's one-row q/k/v kernel gathers the embedding (`TAPEDECK_EMBED_FUSED=on`).
+    pub embed_fused: bool,
     /// Every kernel's preferred shared-memory carveout in percent (`TAPEDECK_SMEM_CARVEOUT`);
     /// `None` leaves it to the driver.
     pub smem_carveout: Option<u32>,
@@ -460,6 +473,8 @@ impl Tuning {
         let pinned = second(&var, "TAPEDECK_HOST_COPIES", ["pageable", "pinned"]);
         let run_ahead = !second(&var, "TAPEDECK_RUN_AHEAD", ["on", "off"]);
         let pdl_attn = !second(&var, "TAPEDECK_PDL_ATTN", ["on", "off"]);
+        let pdl_picks = second(&var, "TAPEDECK_PDL_PICKS", ["off", "on"]);
+        let embed_fused = second(&var, "TAPEDECK_EMBED_FUSED", ["off", "on"]);
         let smem_carveout =
             var("TAPEDECK_SMEM_CARVEOUT").and_then(|v| match v.trim().parse::<u32>() {
                 Ok(p) if p <= 100 => Some(p),
@@ -484,6 +499,8 @@ impl Tuning {
             run_ahead,
             l2_prefetch: L2Prefetch::parse(var("TAPEDECK_L2_PREFETCH").as_deref()),
             pdl_attn,
+            pdl_picks,
+            embed_fused,
             smem_carveout,
             gemv_x_smem,
             merge_staged,
@@ -582,6 +599,8 @@ mod tests {
                 run_ahead: true,
                 l2_prefetch: L2Prefetch::default(),
                 pdl_attn: true,
+                pdl_picks: false,
+                embed_fused: false,
                 smem_carveout: None,
                 gemv_x_smem: true,
                 merge_staged: false,
@@ -619,6 +638,8 @@ mod tests {
         assert!(!parse(&[("TAPEDECK_HOST_COPIES", "locked")]).pinned);
         assert!(!parse(&[("TAPEDECK_RUN_AHEAD", "off")]).run_ahead);
         assert!(!parse(&[("TAPEDECK_PDL_ATTN", "off")]).pdl_attn);
+        assert!(parse(&[("TAPEDECK_PDL_PICKS", "on")]).pdl_picks);
+        assert!(parse(&[("TAPEDECK_EMBED_FUSED", "on")]).embed_fused);
         assert!(
             parse(&[("TAPEDECK_PDL_ATTN", "of")]).pdl_attn,
             "a typo keeps the default"
