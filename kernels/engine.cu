@@ -1949,26 +1949,23 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) g
 // first GEMV's input in the twenty-fifth session's trace). The same values in the same order as
 // embed_tokens + gemv_bf16_qkv_rope(_bf16kv)_1, so the same bits. The pass's id (its upload) is
 // loaded at the start, the fed one after the PDL wait (see qkv_rope_kernel).
-extern "C" __global__ void QKV1_BOUNDS gemv_bf16_qkv_rope_embed_1(QKV_ROPE_PARAMS(float),
-                                                                  const unsigned int* ids,
-                                                                  const unsigned int* fed,
-                                                                  float* x_out) {
+#define QKV_EMBED_PARAMS(KV) \
+    QKV_ROPE_PARAMS(KV), const unsigned int *ids, const unsigned int *fed, float *x_out
+#define QKV_EMBED_BODY(KV)                                                                 \
+    const unsigned int id_raw = ids[0];                                                    \
+    qkv_rope_kernel<1, KV, true>(QKV_ROPE_ARGS, id_raw, fed);                              \
+    if (blockIdx.x == 0)                                                                   \
+        copy_row(x_out, (const float*)x + embed_row_of(id_raw, fed ? fed[0] : 0u, in), in);
+extern "C" __global__ void QKV1_BOUNDS gemv_bf16_qkv_rope_embed_1(QKV_EMBED_PARAMS(float)) {
     TD_SCOPE("gemv_bf16_qkv_rope_embed_1");
-    const unsigned int id_raw = ids[0];
-    qkv_rope_kernel<1, float, true>(QKV_ROPE_ARGS, id_raw, fed);
-    if (blockIdx.x == 0)
-        copy_row(x_out, (const float*)x + embed_row_of(id_raw, fed ? fed[0] : 0u, in), in);
+    QKV_EMBED_BODY(float)
 }
-extern "C" __global__ void QKV1_BOUNDS gemv_bf16_qkv_rope_bf16kv_embed_1(QKV_ROPE_PARAMS(bf16_t),
-                                                                         const unsigned int* ids,
-                                                                         const unsigned int* fed,
-                                                                         float* x_out) {
+extern "C" __global__ void QKV1_BOUNDS gemv_bf16_qkv_rope_bf16kv_embed_1(QKV_EMBED_PARAMS(bf16_t)) {
     TD_SCOPE("gemv_bf16_qkv_rope_bf16kv_embed_1");
-    const unsigned int id_raw = ids[0];
-    qkv_rope_kernel<1, bf16_t, true>(QKV_ROPE_ARGS, id_raw, fed);
-    if (blockIdx.x == 0)
-        copy_row(x_out, (const float*)x + embed_row_of(id_raw, fed ? fed[0] : 0u, in), in);
+    QKV_EMBED_BODY(bf16_t)
 }
+#undef QKV_EMBED_PARAMS
+#undef QKV_EMBED_BODY
 
 // Per token of the batch, what attention needs (one int array, see cuda/mod.rs `Meta`):
 //   seg[t]: the token's segment (row of the block tables); ctx[t]: positions it attends to
