@@ -533,24 +533,20 @@ impl Inner {
                 kv_mode: pass.kv_mode,
                 elem: kv.elem,
             };
-            if let (Some(e), 0) = (embed_gather, li) {
-                let from_table = GemvIn::Normed {
-                    x: self.embed.ptr,
-                    w: layer.attn_norm.ptr,
-                    eps: cfg.rms_norm_eps,
+            if rope_fused {
+                // The first layer's input from the embedding table, where the step gathers it.
+                let (xin, embed) = match (embed_gather, li) {
+                    (Some(e), 0) => {
+                        let table = GemvIn::Normed {
+                            x: self.embed.ptr,
+                            w: layer.attn_norm.ptr,
+                            eps: cfg.rms_norm_eps,
+                        };
+                        (table, Some(e))
+                    }
+                    _ => (gemv_normed(layer.attn_norm.ptr)?, None),
                 };
-                self.gpu
-                    .qkv_rope(layer, from_table, n, &rope, pdl, Some(e))?;
-                FUSED_ROPE.fetch_add(1, Ordering::Relaxed);
-            } else if rope_fused {
-                self.gpu.qkv_rope(
-                    layer,
-                    gemv_normed(layer.attn_norm.ptr)?,
-                    n,
-                    &rope,
-                    pdl,
-                    None,
-                )?;
+                self.gpu.qkv_rope(layer, xin, n, &rope, pdl, embed)?;
                 FUSED_ROPE.fetch_add(1, Ordering::Relaxed);
             } else if gemv {
                 self.gpu
