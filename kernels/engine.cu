@@ -275,13 +275,17 @@ extern "C" __global__ void embed_gather(float* out, const float* table, const un
 // run-ahead decode) is fed that step's token on the device. `fed` may be null where no id is
 // FED_TOKEN. grid (n), block 256.
 #define FED_TOKEN 0xffffffffu
+// The offset of token `id`'s row in an embedding table of rows of h: the token at fed[0] where
+// id is FED_TOKEN (fed is read only then). Also the first q/k/v kernel's choice where it gathers
+// the embedding itself (TAPEDECK_EMBED_FUSED).
+__device__ __forceinline__ size_t embed_row_of(unsigned int id, const unsigned int* fed, int h) {
+    return (size_t)(id == FED_TOKEN ? fed[0] : id) * h;
+}
 extern "C" __global__ void embed_tokens(float* out, const float* table, const unsigned int* ids,
                                         int h, const unsigned int* fed) {
     TD_SCOPE("embed_tokens");
     pdl_launch_dependents();
-    unsigned int id = ids[blockIdx.x];
-    if (id == FED_TOKEN) id = fed[0];
-    copy_row(out + (size_t)blockIdx.x * h, table + (size_t)id * h, h);
+    copy_row(out + (size_t)blockIdx.x * h, table + embed_row_of(ids[blockIdx.x], fed, h), h);
 }
 
 // The RMSNorm of N rows of `in` values (x row-major) as a block of 256 threads computes it, by a
@@ -1783,11 +1787,6 @@ extern "C" __global__ void rope_kv_write_fp8kv(ROPE_KV_PARAMS(fp8_t)) {
 #ifndef QKV_INDEX_EARLY
 #define QKV_INDEX_EARLY 1
 #endif
-// The offset of a pass's token row in the embedding table: the fed id where the pass's id says
-// FED_TOKEN, as embed_tokens picks it.
-__device__ __forceinline__ size_t embed_row_of(unsigned int id_raw, unsigned int id_fed, int in) {
-    return (size_t)(id_raw == FED_TOKEN ? id_fed : id_raw) * in;
-}
 // EMBED (the first layer's `_embed_1` entry points): x is the embedding table and the row is
 // token id_raw, or fed[0] where id_raw is FED_TOKEN (embed_tokens' choice). fed[0] is read after
 // the wait: in a pass launched eagerly right behind the one that picked it, that pick may still
@@ -1841,7 +1840,7 @@ __device__ __forceinline__ void qkv_rope_kernel(const void* x, const float* norm
 #endif
     pdl_launch_dependents();
     pdl_wait();
-    if constexpr (EMBED) x = (const float*)x + embed_row_of(id_raw, fed ? fed[0] : 0u, in);
+    if constexpr (EMBED) x = (const float*)x + embed_row_of(id_raw, fed, in);
     if (norm_w) x = gemv_norm_prologue<N>((const float*)x, norm_w, eps, in);
 #if QKV_ASYNC
     gemv_stage_wait();
@@ -1955,7 +1954,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, GEMV_MIN_BLOCKS) g
     const unsigned int id_raw = ids[0];                                                    \
     qkv_rope_kernel<1, KV, true>(QKV_ROPE_ARGS, id_raw, fed);                              \
     if (blockIdx.x == 0)                                                                   \
-        copy_row(x_out, (const float*)x + embed_row_of(id_raw, fed ? fed[0] : 0u, in), in);
+        copy_row(x_out, (const float*)x + embed_row_of(id_raw, fed, in), in);
 extern "C" __global__ void QKV1_BOUNDS gemv_bf16_qkv_rope_embed_1(QKV_EMBED_PARAMS(float)) {
     TD_SCOPE("gemv_bf16_qkv_rope_embed_1");
     QKV_EMBED_BODY(float)

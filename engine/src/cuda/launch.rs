@@ -204,15 +204,13 @@ impl Kernels {
         // The entry points for 1..=GEMV_MAX_ROWS rows; where they stage in shared memory (weights,
         // `TAPEDECK_GEMV_ASYNC`, `TAPEDECK_SWIGLU_ASYNC`, `TAPEDECK_QKV_ASYNC`; the merge's splits,
         // `TAPEDECK_MERGE_STAGED`) their shared-memory limit raised to GEMV_SMEM_LIMIT.
+        let staged = |m: &Arc<cudarc::driver::CudaModule>, name: &str, raise: bool| match raise {
+            false => load_function(m, name),
+            true => load_with_smem(m, name, GEMV_SMEM_LIMIT),
+        };
         let staged_rows = |m: &Arc<cudarc::driver::CudaModule>, stem: &str, raise: bool| {
             (1..=GEMV_MAX_ROWS)
-                .map(|n| {
-                    let name = format!("{stem}_{n}");
-                    match raise {
-                        false => load_function(m, &name),
-                        true => load_with_smem(m, &name, GEMV_SMEM_LIMIT),
-                    }
-                })
+                .map(|n| staged(m, &format!("{stem}_{n}"), raise))
                 .collect::<Result<Vec<_>>>()
         };
         let (stage, swiglu_stage) = (
@@ -230,13 +228,11 @@ impl Kernels {
                 },
                 gemv_qkv_rope_embed: match elem {
                     KvElem::Fp8 => None,
-                    _ => {
-                        let name = format!("gemv_bf16_qkv_rope{sfx}_embed_1");
-                        Some(match t.qkv_async {
-                            false => load_function(&module, &name)?,
-                            true => load_with_smem(&module, &name, GEMV_SMEM_LIMIT)?,
-                        })
-                    }
+                    _ => Some(staged(
+                        &module,
+                        &format!("gemv_bf16_qkv_rope{sfx}_embed_1"),
+                        t.qkv_async,
+                    )?),
                 },
                 attention: f(&format!("attention{sfx}"))?,
                 attention_scores: f(&format!("attention_scores{sfx}"))?,
